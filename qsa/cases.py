@@ -1,0 +1,176 @@
+"""Seeded generator of realistic QSA inputs for any preset.
+
+Kernels, tests, benchmarks and notebooks all draw their inputs from here, so a shape that
+passes a test is the same shape a benchmark times. Realistic means: ragged context lengths and
+rows per request, shuffled page tables, a poisoned pool (an unwritten slot read by mistake shows
+up as NaN), and activations with outlier channels, which is what makes FP8 and MXFP4 scales
+matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields
+from qsa.paging import PagedBatch
+from qsa.presets import ModelPreset, ShapeError
+from qsa.reference.compress import compress_reference, write_raw_keys_reference
+from qsa.reference.kv import store_kv_reference
+from qsa.reference.pipeline import row_slots
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    preset: ModelPreset
+    context_lens: tuple[int, ...]
+    rows_per_request: tuple[int, ...]
+    index_format: str = "bf16"
+    kv_format: str = "bf16"
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    seed: int = 0
+    shuffle_pages: bool = True
+    spare_blocks: int = 3
+    outlier_channels: int = 4
+    outlier_scale: float = 12.0
+    build_kv: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.context_lens) == 0:
+            raise ShapeError("context_lens: at least one request is needed")
+        if len(self.rows_per_request) != len(self.context_lens):
+            raise ShapeError(f"rows_per_request: {len(self.rows_per_request)} entries for "
+                             f"{len(self.context_lens)} requests")
+        for i, (c, r) in enumerate(zip(self.context_lens, self.rows_per_request)):
+            if c < 1 or c > self.preset.max_context:
+                raise ShapeError(f"context_lens[{i}]: {c} is outside 1..{self.preset.max_context}")
+            if r < 0 or r > c:
+                raise ShapeError(f"rows_per_request[{i}]: {r} rows for a context of {c}")
+        if self.spare_blocks < 0:
+            raise ShapeError(f"spare_blocks: must be >= 0, got {self.spare_blocks}")
+        CacheFormats(self.kv_format, self.index_format, self.fp8_dtype)
+
+    @property
+    def formats(self) -> CacheFormats:
+        return CacheFormats(self.kv_format, self.index_format, self.fp8_dtype)
+
+    @classmethod
+    def decode(cls, preset: ModelPreset, batch: int, context: int, rows: int | None = None,
+               **kw) -> "CaseSpec":
+        """A uniform decode/verify batch: `rows` rows (default: the preset's verify rows)."""
+        r = preset.rows_per_verify if rows is None else rows
+        return cls(preset, (context,) * batch, (r,) * batch, **kw)
+
+
+@dataclass
+class Case:
+    spec: CaseSpec
+    batch: PagedBatch
+    cache: dict[str, torch.Tensor]
+    q: torch.Tensor  # [rows, Hq, D] bf16
+    q_index: torch.Tensor  # [rows, H, Dindex] fp32, already normalized and rotated
+    rms_weight: torch.Tensor  # [Dindex] fp32
+    raw_keys: torch.Tensor  # [rows, Dindex] bf16, the new tokens' raw index keys
+    k_new: torch.Tensor  # [rows, Hkv, D] bf16
+    v_new: torch.Tensor  # [rows, Hkv, D] bf16
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def preset(self) -> ModelPreset:
+        return self.spec.preset
+
+    @property
+    def num_blocks(self) -> int:
+        return next(iter(self.cache.values())).shape[0]
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with a value no kernel may produce or read unnoticed: NaN for floats (FP8 included),
+    0xFF bytes for integer planes."""
+    if t.dtype.is_floating_point:
+        if t.element_size() == 1:
+            t.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn; in fnuz 0x80 is NaN, set below
+            if t.dtype == torch.float8_e4m3fnuz:
+                t.view(torch.uint8).fill_(0x80)
+        else:
+            t.fill_(float("nan"))
+    else:
+        t.fill_(-1 if t.dtype.is_signed else 0xFF)
+    return t
+
+
+def activations(gen: torch.Generator, shape: tuple[int, ...], outliers: torch.Tensor,
+                scale: float, device: torch.device | str) -> torch.Tensor:
+    """Gaussian rows with a few outlier channels and log-normal per-row magnitudes."""
+    x = torch.randn(shape, generator=gen)
+    ch = torch.ones(shape[-1])
+    ch[outliers] = scale
+    mag = torch.exp(0.5 * torch.randn((*shape[:-1], 1), generator=gen))
+    return (x * ch * mag).to(device)
+
+
+def make_batch(spec: CaseSpec, gen: torch.Generator, device: torch.device | str) -> PagedBatch:
+    bs = spec.preset.block_size
+    pages = [(c + bs - 1) // bs for c in spec.context_lens]
+    total = sum(pages) + spec.spare_blocks
+    ids = torch.randperm(total, generator=gen) if spec.shuffle_pages else torch.arange(total)
+    table = torch.full((len(pages), max(pages)), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = ids[at:at + n].to(torch.int32)
+        at += n
+    rows = torch.tensor(spec.rows_per_request, dtype=torch.int32)
+    qs = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    qs[1:] = torch.cumsum(rows, 0)
+    pos = torch.cat([torch.arange(c - r, c, dtype=torch.int32)
+                     for c, r in zip(spec.context_lens, spec.rows_per_request)])
+    batch = PagedBatch(table, torch.tensor(spec.context_lens, dtype=torch.int32), qs, pos, bs)
+    return batch.validate(total).to(device)
+
+
+def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
+    """Build a case: the cache holds every token of every request (written and compressed by
+    the reference), and the query rows are each request's last `rows` tokens."""
+    p = spec.preset
+    gen = torch.Generator().manual_seed(spec.seed)
+    batch = make_batch(spec, gen, device)
+    num_blocks = int(batch.block_table.max()) + 1 + spec.spare_blocks
+    fields = declare_fields(p, spec.formats)
+    if not spec.build_kv:
+        fields = tuple(f for f in fields if not f.name.startswith(("k", "v")))
+    cache = {n: poison_(t) for n, t in allocate_layer(fields, num_blocks, device).items()}
+
+    idx_out = torch.randperm(p.index_dim, generator=gen)[:spec.outlier_channels]
+    kv_out = torch.randperm(p.head_dim, generator=gen)[:spec.outlier_channels]
+    total = sum(spec.context_lens)
+    req = torch.repeat_interleave(torch.arange(batch.batch),
+                                  torch.tensor(spec.context_lens)).to(device)
+    pos = torch.cat([torch.arange(c) for c in spec.context_lens]).to(device)
+    slots = batch.slots(req, pos)
+    raw_all = activations(gen, (total, p.index_dim), idx_out, spec.outlier_scale, device)
+    write_raw_keys_reference(cache, slots, raw_all)
+    rms_weight = (0.1 * torch.randn(p.index_dim, generator=gen)).to(device)
+    compress_reference(cache, batch, torch.zeros_like(batch.context_lens), rms_weight, p,
+                       spec.index_format, spec.fp8_dtype)
+
+    rows = batch.num_rows
+    shape_kv = (rows, p.num_kv_heads, p.head_dim)
+    k_new = activations(gen, shape_kv, kv_out, spec.outlier_scale, device).to(torch.bfloat16)
+    v_new = activations(gen, shape_kv, kv_out, spec.outlier_scale / 3, device).to(torch.bfloat16)
+    if spec.build_kv:
+        store_kv_reference(cache, slots,
+                           activations(gen, (total, *shape_kv[1:]), kv_out, spec.outlier_scale,
+                                       device),
+                           activations(gen, (total, *shape_kv[1:]), kv_out,
+                                       spec.outlier_scale / 3, device),
+                           spec.kv_format, spec.fp8_dtype)
+        store_kv_reference(cache, row_slots(batch), k_new, v_new, spec.kv_format, spec.fp8_dtype)
+    # Row raw keys are the cache's own raw keys of those positions, so re-writing them is a no-op.
+    rs = row_slots(batch)
+    raw_rows = cache["index_raw"][rs // p.block_size, rs % p.block_size, 0].clone()
+    q = (torch.randn((rows, p.num_q_heads, p.head_dim), generator=gen)).to(device)
+    q_index = activations(gen, (rows, p.index_heads, p.index_dim), idx_out, 2.0, device)
+    q_index = q_index / q_index.norm(dim=-1, keepdim=True) * p.index_dim ** 0.5
+    return Case(spec, batch, cache, q.to(torch.bfloat16), q_index, rms_weight, raw_rows,
+                k_new, v_new)

@@ -1,0 +1,74 @@
+"""What every kernel module needs: the active backend and arch, config lookup, kernel names
+that carry their config, and input checks with messages that name the problem."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Callable, Iterable
+
+import torch
+
+from qsa.configs import BlockConfig, get_config
+
+
+class KernelInputError(ValueError):
+    """An input a kernel can not take (dtype, shape, layout, index range, row count)."""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@lru_cache(maxsize=None)
+def backend_and_arch() -> tuple[str, str]:
+    """('cuda', 'sm90'), ('hip', 'gfx950'), or ('interpreter', 'default')."""
+    if interpreting() or not torch.cuda.is_available():
+        return "interpreter", "default"
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    if target.backend == "hip":
+        return "hip", str(target.arch).split(":")[0]
+    return target.backend, f"sm{target.arch}"
+
+
+def lookup(kernel: str, fmt: str, size: int, config: BlockConfig | None = None
+           ) -> tuple[BlockConfig, dict]:
+    """An explicit config wins; otherwise the table entry for this arch. Returns the config
+    and the launch keywords filtered for the active backend."""
+    backend, arch = backend_and_arch()
+    cfg = config if config is not None else get_config(kernel, arch, fmt, size).config
+    return cfg, cfg.launch_kwargs(backend, arch)
+
+
+def kernel_repr(name: str, constexprs: Iterable[str]) -> Callable:
+    """`@triton.jit(repr=...)` callback: `qsa_<name>_<K><v>_...` so profiler rows say what ran."""
+    keys = tuple(constexprs)
+
+    def _repr(spec) -> str:
+        c = spec.constants
+        parts = [f"{k}{c[k]}" for k in keys if k in c]
+        return "_".join([f"qsa_{name}", *parts])
+
+    return _repr
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise KernelInputError(message)
+
+
+def require_dtype(t: torch.Tensor, name: str, dtypes: Iterable[torch.dtype]) -> None:
+    ds = tuple(dtypes)
+    require(t.dtype in ds, f"{name}: dtype {t.dtype} is not one of {', '.join(map(str, ds))}")
+
+
+def require_inner_contiguous(t: torch.Tensor, name: str, dims: int) -> None:
+    """The last `dims` dims must be packed (the block dim may have any stride: arena views)."""
+    expect = 1
+    for d in range(t.dim() - 1, t.dim() - 1 - dims, -1):
+        require(t.stride(d) == expect or t.shape[d] == 1,
+                f"{name}: inner dims must be contiguous, got strides {t.stride()} for shape "
+                f"{tuple(t.shape)}")
+        expect *= t.shape[d]

@@ -1,0 +1,28 @@
+"""Test setup. Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must be
+set before any kernel module is imported, which is why it is set here, at collection start."""
+
+import os
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+HAS_GPU = _has_gpu()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run scripts/gpu_check.sh on a GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,35 @@
+"""Shared test helpers.
+
+Interpreter surrogate: the Triton interpreter multiplies bf16 bit patterns in `tl.dot` and
+mishandles bf16 arithmetic (triton-lang/triton #11584, #4972). On CPU, tests hand kernels fp32
+copies of bf16 tensors (the kernels are dtype-generic). A CPU pass then means indexing, masking,
+paging and control flow are right, not that bf16 numerics are; the GPU run checks those with the
+production dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
+
+
+def surrogate(t: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of a bf16 tensor under the interpreter; the tensor itself on a GPU."""
+    if INTERPRETING and t.dtype == torch.bfloat16:
+        return t.float()
+    return t
+
+
+def surrogate_cache(cache: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: surrogate(v) for k, v in cache.items()}
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str = DEVICE) -> torch.Tensor:
+    """An output buffer pre-filled so that any element a kernel fails to write is caught."""
+    from qsa.cases import poison_
+
+    return poison_(torch.empty(shape, dtype=dtype, device=device))
