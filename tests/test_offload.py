@@ -1,0 +1,472 @@
+"""Page offload: what moves for each layer, bit-identical restores, refusals, bad requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsa.arena import (Arena, ArenaError, BindingMismatchError, CacheFormats, ChecksumError,
+                       LayoutMismatchError, OffloadError, PageOffload, TruncatedPagesError,
+                       declare_row_spaces, offload_roundtrip_check, verify_layer_binding)
+from qsa.arena.offload import block_ranges, checksum_key, page_checksums
+from qsa.cases import CaseSpec, make_case
+from qsa.paging import PagedBatch
+from qsa.presets import get_preset
+from qsa.reference import score_reference, sparse_gqa_reference, topk_expand_reference
+from tests.support import DEVICE, surrogate, surrogate_cache
+from tests.test_arena import FORMAT_CASES, SMALL, expected_placement
+
+QUANTIZED_CASES = [c for c in FORMAT_CASES if c != ("bf16", "bf16")]
+FP8_KV_CASES = [c for c in FORMAT_CASES if c[0] == "fp8"]
+SMALL_TOPK = SMALL.replace(topk_groups=4)  # fewer groups than visible: selection matters
+
+
+def _random_bytes(arena: Arena, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, generator=gen,
+                                     dtype=torch.uint8))
+
+
+def _snapshot(arena: Arena) -> tuple[torch.Tensor, list[int]]:
+    return arena.buffer.clone(), arena.free_blocks()
+
+
+def _assert_unchanged(arena: Arena, snap: tuple[torch.Tensor, list[int]]) -> None:
+    assert torch.equal(arena.buffer, snap[0]), "a refused request wrote into the arena"
+    assert arena.free_blocks() == snap[1], "a refused request changed the free blocks"
+
+
+# ---------------------------------------------------------------------------------------------
+# What moves for each layer
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv,index", FORMAT_CASES)
+@pytest.mark.parametrize("draft", ["bf16", "same"])
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_offload_moves_exactly_each_layers_own_rows(kv, index, draft, multimodal):
+    """For every layer of both row spaces: per declared field, in stored order, the offload
+    moves that layer's own bytes (by data pointer and size), and the layer binds the same set."""
+    preset = get_preset()
+    formats = CacheFormats(kv, index, multimodal=multimodal)
+    draft_formats = formats if draft == "same" else None
+    arena = Arena.for_preset(preset, 2, formats, draft=draft_formats)
+    off = PageOffload(arena)
+    spaces = declare_row_spaces(preset, formats, draft_formats)
+    want, page = expected_placement(spaces)
+    assert arena.layout.page_bytes == page
+    base = arena.buffer.data_ptr()
+    covered = []
+    for space in spaces:
+        for row in range(space.rows):
+            expect = [(f.name, base + at, f.nbytes) for s, r, f, at in want
+                      if (s, r) == (space.name, row)]
+            moved = off.layer_tensors(space.name, row)
+            assert [(n, t.data_ptr(), t.shape[1]) for n, t in moved] == expect
+            assert all(t.shape[0] == 2 and t.stride(0) == page for _, t in moved)
+            bound = arena.layer(space.name, row)
+            as_bound = {(n, t.data_ptr(), t[0].numel() * t.element_size(),
+                         t.stride(0) * t.element_size()) for n, t in bound.items()}
+            assert as_bound == {(n, p, b, page) for n, p, b in expect}
+            verify_layer_binding(off, space.name, row)
+            covered += expect
+    assert len(covered) == len(want) == len(set(covered))  # every field of every row, once
+
+
+def _patched_layer(monkeypatch, rebind):
+    real = Arena.layer
+
+    def layer(self, space, row):
+        cache = real(self, space, row)
+        rebind(self, space, row, cache, real)
+        return cache
+
+    monkeypatch.setattr(Arena, "layer", layer)
+
+
+@pytest.mark.parametrize("kv,index", FP8_KV_CASES)
+def test_binding_k_scale_in_place_of_v_scale_fails(kv, index, monkeypatch):
+    arena = Arena.for_preset(get_preset(), 2, CacheFormats(kv, index))
+    off = PageOffload(arena)
+
+    def swap(self, space, row, cache, real):
+        if "v_scale" in cache:
+            cache["v_scale"] = cache["k_scale"]
+
+    _patched_layer(monkeypatch, swap)
+    for row in (0, 11):
+        with pytest.raises(BindingMismatchError,
+                           match=rf"qsa\[{row}\]\.v_scale: the layer binds qsa\[{row}\]\.k_scale"):
+            verify_layer_binding(off, "qsa", row)
+    with pytest.raises(BindingMismatchError, match="v_scale"):
+        PageOffload(arena)
+
+
+@pytest.mark.parametrize("kv,index", FORMAT_CASES)
+def test_binding_the_targets_index_rows_for_the_draft_fails(kv, index, monkeypatch):
+    arena = Arena.for_preset(get_preset(), 2, CacheFormats(kv, index))
+    off = PageOffload(arena)
+
+    def target_index(self, space, row, cache, real):
+        if space == "qsa_draft":
+            target = real(self, "qsa", 0)
+            for name in ("index_raw", "index_compressed"):
+                cache[name] = target[name]
+
+    _patched_layer(monkeypatch, target_index)
+    verify_layer_binding(off, "qsa", 0)
+    with pytest.raises(BindingMismatchError,
+                       match=r"qsa_draft\[0\]\.index_raw: the layer binds qsa\[0\]\.index_raw"):
+        verify_layer_binding(off, "qsa_draft", 0)
+
+
+@pytest.mark.parametrize("kv,index", QUANTIZED_CASES)
+def test_a_binding_or_offload_without_scale_planes_fails(kv, index, monkeypatch):
+    """The change request's bug, both ways round: scales bound but not registered for offload,
+    or registered as missing from the layer."""
+    arena = Arena.for_preset(get_preset(), 2, CacheFormats(kv, index))
+    off = PageOffload(arena)
+    with monkeypatch.context() as m:
+        real = PageOffload.layer_tensors
+        m.setattr(PageOffload, "layer_tensors", lambda self, s, r: tuple(
+            (n, t) for n, t in real(self, s, r) if not n.endswith("_scale")))
+        with pytest.raises(BindingMismatchError, match="the offload moves fields"):
+            verify_layer_binding(off, "qsa", 3)
+    bound = arena.layer("qsa", 3)
+    dropped = next(n for n in bound if n.endswith("_scale"))
+    del bound[dropped]
+    with pytest.raises(BindingMismatchError, match=f"not bound: \\['{dropped}'\\]"):
+        verify_layer_binding(off, "qsa", 3, bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip: a restored prefix attends bit-identically
+# ---------------------------------------------------------------------------------------------
+
+def _load(arena: Arena, space: str, row: int, case) -> None:
+    for name, t in case.cache.items():
+        arena.view(space, row, name)[:t.shape[0]].copy_(t)
+
+
+def _run_reference(cache, case, batch: PagedBatch):
+    p = case.preset
+    scores = score_reference(cache, batch, case.q_index, p, case.spec.index_format)
+    ids = topk_expand_reference(scores, batch, p)
+    out = sparse_gqa_reference(case.q, cache, batch, ids, case.spec.kv_format, p.softmax_scale)
+    return scores, ids, out
+
+
+def _remap(batch: PagedBatch, mapping: dict[int, int]) -> PagedBatch:
+    lut = torch.full((max(mapping) + 1,), -1, dtype=torch.int32)
+    for old, new in mapping.items():
+        lut[old] = new
+    bt = batch.block_table
+    moved = torch.where(bt >= 0, lut[bt.clamp(min=0).long()], bt)
+    assert not bool(((bt >= 0) & (moved < 0)).any()), "a used page was not restored"
+    return dataclasses.replace(batch, block_table=moved.to(torch.int32))
+
+
+def _same(a, b) -> bool:
+    """Bit-identical (NaN bits included) tensors, pairwise."""
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(as_bytes(x), as_bytes(y))
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kv,index", FORMAT_CASES)
+@pytest.mark.parametrize("strategy", ["ranges", "gather"])
+def test_restored_prefix_attends_bit_identically(kv, index, strategy):
+    spec = CaseSpec(SMALL_TOPK, (37, 50), (4, 1), index_format=index, kv_format=kv, seed=1)
+    target = make_case(spec)
+    draft = make_case(dataclasses.replace(spec, kv_format="bf16", index_format="bf16", seed=2))
+    nb = max(target.num_blocks, draft.num_blocks)
+    arena = Arena.for_preset(SMALL_TOPK, 3 * nb, CacheFormats(kv, index))
+    _random_bytes(arena, 0)  # every other row of every page holds bytes that must move too
+    assert arena.allocate(nb) == list(range(nb))  # the cases' block ids are arena blocks
+    _load(arena, "qsa", 1, target)
+    _load(arena, "qsa_draft", 0, draft)
+    before = _run_reference(arena.layer("qsa", 1), target, target.batch)
+    before_draft = _run_reference(arena.layer("qsa_draft", 0), draft, draft.batch)
+
+    # The prefix: every page either request table uses, in page-table order (scattered ids).
+    prefix = list(dict.fromkeys(b for t in (target.batch.block_table, draft.batch.block_table)
+                                for b in t.flatten().tolist() if b >= 0))
+    assert len(block_ranges(prefix)) > 1
+    off = PageOffload(arena, strategy)
+    pages = arena.pages[prefix].clone()
+    stored = off.store(prefix)
+
+    # Overwrite the prefix's blocks with other data and other scales.
+    arena.pages[prefix] = torch.randint(0, 256, pages.shape, dtype=torch.uint8,
+                                        generator=torch.Generator().manual_seed(9))
+    _load(arena, "qsa", 1, make_case(dataclasses.replace(spec, seed=3)))
+    _load(arena, "qsa_draft", 0, make_case(dataclasses.replace(draft.spec, seed=4)))
+    assert not _same(_run_reference(arena.layer("qsa", 1), target, target.batch), before)
+
+    free = arena.free_blocks()
+    dst = [free[i] for i in torch.randperm(len(free), generator=torch.Generator().manual_seed(5))
+           [:len(prefix)].tolist()]
+    assert off.restore(stored, dst) == dst
+    assert torch.equal(arena.pages[dst], pages)
+    mapping = dict(zip(prefix, dst))
+    batch, draft_batch = _remap(target.batch, mapping), _remap(draft.batch, mapping)
+    batch.validate(arena.num_blocks)
+    cache = arena.layer("qsa", 1)
+    assert _same(_run_reference(cache, target, batch), before)
+    assert _same(_run_reference(arena.layer("qsa_draft", 0), draft, draft_batch), before_draft)
+
+    # The equality depends on the scale planes: spoil one restored plane at a time.
+    idx = torch.tensor(dst)
+    for name in ("k_scale", "v_scale", "index_compressed_scale"):
+        if name not in cache:
+            continue
+        plane = cache[name]
+        saved = plane[idx].clone()
+        plane[idx] = saved + 1 if saved.dtype == torch.uint8 else saved * 2
+        assert not _same(_run_reference(cache, target, batch), before), name
+        plane[idx] = saved
+
+
+def test_ranges_and_gather_store_the_same_bytes():
+    arena = Arena.for_preset(SMALL, 12, CacheFormats("fp8", "mxfp4"))
+    _random_bytes(arena, 1)
+    blocks = arena.allocate(8)
+    order = [5, 6, 7, 0, 1, 3]
+    a = PageOffload(arena, "ranges").store(order)
+    b = PageOffload(arena, "gather").store(order)
+    assert torch.equal(a.data, b.data) and torch.equal(a.checksums, b.checksums)
+    assert torch.equal(a.data.view(len(order), -1), arena.pages[order])
+    assert a.source_blocks == tuple(order) and blocks == list(range(8))
+
+
+TINY = SMALL.replace(num_layers=4, block_size=4, num_kv_heads=1, num_q_heads=1, index_dim=32,
+                    rope_dims=32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.permutations(range(10)), n=st.integers(1, 10), seed=st.integers(0, 2**16),
+       strategy=st.sampled_from(["auto", "ranges", "gather"]))
+def test_any_request_order_round_trips(order, n, seed, strategy):
+    arena = Arena.for_preset(TINY, 24, CacheFormats("fp8", "mxfp4"))
+    _random_bytes(arena, seed)
+    arena.allocate(10)
+    off = PageOffload(arena, strategy)
+    src = order[:n]
+    pages = arena.pages[src].clone()
+    stored = off.store(src)
+    dst = [10 + b for b in torch.randperm(14, generator=torch.Generator().manual_seed(seed))
+           [:n].tolist()]
+    assert off.restore(stored, dst) == dst
+    assert torch.equal(arena.pages[dst], pages)
+    assert sorted(arena.free_blocks()) == sorted(set(range(10, 24)) - set(dst))
+
+
+def test_block_ranges_coalesce_in_request_order():
+    assert block_ranges([5, 6, 7, 2, 3, 9]) == [(5, 8, 0), (2, 4, 3), (9, 10, 5)]
+    assert block_ranges([3]) == [(3, 4, 0)]
+    assert block_ranges([4, 3]) == [(4, 5, 0), (3, 4, 1)]
+
+
+def test_checksum_sees_any_single_byte_and_word_order():
+    key = checksum_key(256, "cpu")
+    page = torch.randint(0, 256, (1, 256), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
+    ref = page_checksums(page, key)
+    for pos in range(256):
+        for bit in (0x01, 0x80):
+            bad = page.clone()
+            bad[0, pos] ^= bit
+            assert page_checksums(bad, key) != ref
+    swapped = page.view(-1, 8).flip(0).reshape(1, 256)
+    assert page_checksums(swapped, key) != ref
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: layout, truncation, checksum
+# ---------------------------------------------------------------------------------------------
+
+def _stored(formats: CacheFormats, blocks: int = 3):
+    arena = Arena.for_preset(SMALL, 8, formats)
+    _random_bytes(arena, 2)
+    off = PageOffload(arena)
+    return arena, off, off.store(arena.allocate(blocks))
+
+
+def test_a_bf16_page_is_refused_by_an_fp8_layout():
+    _, _, stored = _stored(CacheFormats("bf16", "bf16"))
+    arena, off, _ = _stored(CacheFormats("fp8", "bf16"))
+    snap = _snapshot(arena)
+    with pytest.raises(LayoutMismatchError,
+                       match=r"layout mismatch: .*kv=bf16.*but this arena is .*kv=fp8"):
+        off.restore(stored)
+    _assert_unchanged(arena, snap)
+
+
+def test_a_page_from_another_draft_setting_is_refused():
+    _, _, stored = _stored(CacheFormats("fp8", "fp8"))
+    arena = Arena.for_preset(SMALL, 8, CacheFormats("fp8", "fp8"), include_draft=False)
+    with pytest.raises(LayoutMismatchError, match="layout mismatch"):
+        PageOffload(arena).restore(stored)
+
+
+@pytest.mark.parametrize("cut", [1, 256, "page"])
+def test_a_truncated_page_is_refused(cut):
+    arena, off, stored = _stored(CacheFormats("fp8", "mxfp4"))
+    n = stored.page_bytes if cut == "page" else cut
+    short = dataclasses.replace(stored, data=stored.data[:-n].clone())
+    snap = _snapshot(arena)
+    with pytest.raises(TruncatedPagesError, match=r"truncated: 3 pages of \d+ bytes need"):
+        off.restore(short)
+    longer = dataclasses.replace(stored, data=torch.cat((stored.data, stored.data[:8])))
+    with pytest.raises(TruncatedPagesError, match="oversized"):
+        off.restore(longer)
+    _assert_unchanged(arena, snap)
+
+
+@pytest.mark.parametrize("where", ["first", "k_scale", "draft index", "padding", "last"])
+def test_a_flipped_byte_is_refused(where):
+    arena, off, stored = _stored(CacheFormats("fp8", "fp8"))
+    layout, p = arena.layout, stored.page_bytes
+    seg = {"k_scale": lambda s: s.space == "qsa" and s.field.name == "k_scale",
+           "draft index": lambda s: s.space == "qsa_draft" and s.field.name == "index_raw"}
+    if where == "first":
+        page, pos = 0, 0
+    elif where == "last":
+        page, pos = 2, p - 1
+    elif where == "padding":  # after the FP8 index scale plane (64 bytes, padded to 256)
+        s = next(s for s in layout.segments if s.field.name == "index_compressed_scale")
+        page, pos = 1, s.end + 10
+        assert layout.locate(pos) is None
+    else:
+        page, pos = 1, next(s for s in layout.segments if seg[where](s)).offset + 3
+    bad = stored.data.clone()
+    bad[page * p + pos] ^= 0x04
+    snap = _snapshot(arena)
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in 1 of 3 pages \(first: page "
+                                            rf"{page}, stored from block {page}\)"):
+        off.restore(dataclasses.replace(stored, data=bad))
+    _assert_unchanged(arena, snap)
+    off.restore(stored)  # the intact copy still restores
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad requests change nothing
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("blocks,match", [
+    ([], "no blocks"),
+    ([5], "block 5 is not allocated"),
+    ([0, 9], "block 9 is out of range: the arena has 8 blocks"),
+    ([-2], "block -2 is out of range"),
+    ([1, 1], "block 1 appears more than once"),
+    (["0"], "block id '0' is not an integer"),
+])
+def test_bad_store_requests(blocks, match):
+    arena, off, _ = _stored(CacheFormats("fp8", "bf16"))
+    snap = _snapshot(arena)
+    with pytest.raises(ArenaError, match=match):
+        off.store(blocks)
+    _assert_unchanged(arena, snap)
+
+
+@pytest.mark.parametrize("blocks,match", [
+    ([2, 3, 4], "block 2 is busy"),
+    ([3, 4], "3 stored pages need 3 blocks, got 2"),
+    ([3, 4, 8], "block 8 is out of range"),
+    ([3, 4, 4], "block 4 appears more than once"),
+])
+def test_bad_restore_requests(blocks, match):
+    arena, off, stored = _stored(CacheFormats("fp8", "bf16"))
+    snap = _snapshot(arena)
+    with pytest.raises(ArenaError, match=match):
+        off.restore(stored, blocks)
+    _assert_unchanged(arena, snap)
+
+
+def test_double_restore_into_a_busy_block_and_a_full_arena():
+    arena, off, stored = _stored(CacheFormats("bf16", "mxfp4"))
+    assert off.restore(stored, [5, 3, 4]) == [5, 3, 4]
+    snap = _snapshot(arena)
+    with pytest.raises(ArenaError, match="block 5 is busy"):
+        off.restore(stored, [5, 6, 7])
+    with pytest.raises(ArenaError, match="not enough free blocks: 3 requested, 2 free"):
+        off.restore(stored)
+    with pytest.raises(OffloadError, match="strategy must be one of"):
+        off.restore(stored, [6, 7, 0], strategy="fast")
+    _assert_unchanged(arena, snap)
+
+
+def test_roundtrip_check_on_cpu():
+    r = offload_roundtrip_check("cpu", preset="qwen3.8-flash-next-tp2", pages=4)
+    assert r["ok"] and r["mismatched_pages"] == 0 and r["pages"] == 4
+    assert set(r["restored_blocks"]).isdisjoint(r["source_blocks"])
+    assert r["bytes"] == 4 * r["page_bytes"] and r["store_gbps"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (written elsewhere; run when importable): restored pages give identical kernel output
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv,index", [("fp8", "fp8"), ("bf16", "mxfp4"), ("fp8", "bf16")])
+def test_kernels_on_restored_pages(kv, index):
+    """The stacked scorer and sparse GQA decode read the arena's strided views; on restored
+    pages (page table pointing at the new blocks) they give bit-identical output."""
+    score_stacked = pytest.importorskip("qsa.kernels.score_stacked").score_stacked
+    sparse_gqa_decode = pytest.importorskip("qsa.kernels.sparse_gqa").sparse_gqa_decode
+    spec = CaseSpec(SMALL_TOPK, (37, 21), (4, 1), index_format=index, kv_format=kv, seed=6)
+    case = make_case(spec, DEVICE)
+    nb = case.num_blocks
+    arena = Arena.for_preset(SMALL_TOPK, 2 * nb, CacheFormats(kv, index), device=DEVICE)
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(3)))
+    arena.allocate(nb)
+    _load(arena, "qsa", 0, case)
+    p = case.preset
+    ids = topk_expand_reference(score_reference(case.cache, case.batch, case.q_index, p, index),
+                                case.batch, p)
+
+    def run(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = surrogate_cache(arena.layer("qsa", 0))
+        return (score_stacked(cache, batch, case.q_index, p, index),
+                sparse_gqa_decode(surrogate(case.q), cache, batch, ids, p, kv))
+
+    before = run(case.batch)
+    off = PageOffload(arena)
+    prefix = [b for b in case.batch.block_table.flatten().tolist() if b >= 0]
+    stored = off.store(prefix)
+    arena.pages[prefix] = 0
+    dst = off.restore(stored)
+    assert set(dst).isdisjoint(prefix)
+    after = run(_remap(case.batch.to("cpu"), dict(zip(prefix, dst))).to(DEVICE))
+    assert _same(after, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv,index", [("bf16", "bf16"), ("fp8", "fp8")])
+def test_roundtrip_on_the_gpu_with_pinned_pages(kv, index):
+    r = offload_roundtrip_check("cuda", kv=kv, index=index, pages=64)
+    assert r["ok"] and r["pinned"] and r["mismatched_pages"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["ranges", "gather"])
+def test_gpu_restore_refusals_change_nothing(strategy):
+    arena = Arena.for_preset(get_preset(), 16, CacheFormats("fp8", "fp8"), device="cuda")
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, dtype=torch.uint8,
+                                     device="cuda"))
+    off = PageOffload(arena, strategy)
+    stored = off.store(arena.allocate(4)[::-1])
+    assert stored.data.is_pinned()
+    bad = stored.data.clone()
+    bad[12345] ^= 1
+    before = arena.buffer.clone()
+    with pytest.raises(ChecksumError):
+        off.restore(dataclasses.replace(stored, data=bad))
+    assert torch.equal(arena.buffer, before) and arena.num_free == 12
+    dst = off.restore(stored, [15, 9, 10, 11])
+    assert torch.equal(arena.pages[dst].cpu(), stored.data.view(4, -1))
