@@ -47,6 +47,9 @@ class CaseSpec:
                 raise ShapeError(f"context_lens[{i}]: {c} is outside 1..{self.preset.max_context}")
             if r < 0 or r > c:
                 raise ShapeError(f"rows_per_request[{i}]: {r} rows for a context of {c}")
+        most = min(self.preset.index_dim, self.preset.head_dim)
+        if not 0 <= self.outlier_channels <= most:
+            raise ShapeError(f"outlier_channels: must be in 0..{most}, got {self.outlier_channels}")
         if self.spare_blocks < 0:
             raise ShapeError(f"spare_blocks: must be >= 0, got {self.spare_blocks}")
         CacheFormats(self.kv_format, self.index_format, self.fp8_dtype)
@@ -101,13 +104,15 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def activations(gen: torch.Generator, shape: tuple[int, ...], outliers: torch.Tensor,
-                scale: float, device: torch.device | str) -> torch.Tensor:
-    """Gaussian rows with a few outlier channels and log-normal per-row magnitudes."""
-    x = torch.randn(shape, generator=gen)
-    ch = torch.ones(shape[-1])
-    ch[outliers] = scale
-    mag = torch.exp(0.5 * torch.randn((*shape[:-1], 1), generator=gen))
-    return (x * ch * mag).to(device)
+                scale: float) -> torch.Tensor:
+    """Gaussian rows with a few outlier channels and log-normal per-row magnitudes, drawn on
+    the generator's device (benchmark-sized cases are generated where they are used)."""
+    dev = gen.device
+    x = torch.randn(shape, generator=gen, device=dev)
+    ch = torch.ones(shape[-1], device=dev)
+    ch[outliers.to(dev)] = scale
+    mag = torch.exp(0.5 * torch.randn((*shape[:-1], 1), generator=gen, device=dev))
+    return x * ch * mag
 
 
 def make_batch(spec: CaseSpec, gen: torch.Generator, device: torch.device | str) -> PagedBatch:
@@ -141,6 +146,8 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
         fields = tuple(f for f in fields if not f.name.startswith(("k", "v")))
     cache = {n: poison_(t) for n, t in allocate_layer(fields, num_blocks, device).items()}
 
+    # Tensor data is drawn on `device` (seeded per device type); page tables on the CPU.
+    dgen = torch.Generator(device=device).manual_seed(spec.seed + 1)
     idx_out = torch.randperm(p.index_dim, generator=gen)[:spec.outlier_channels]
     kv_out = torch.randperm(p.head_dim, generator=gen)[:spec.outlier_channels]
     total = sum(spec.context_lens)
@@ -148,29 +155,28 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
                                   torch.tensor(spec.context_lens)).to(device)
     pos = torch.cat([torch.arange(c) for c in spec.context_lens]).to(device)
     slots = batch.slots(req, pos)
-    raw_all = activations(gen, (total, p.index_dim), idx_out, spec.outlier_scale, device)
+    raw_all = activations(dgen, (total, p.index_dim), idx_out, spec.outlier_scale)
     write_raw_keys_reference(cache, slots, raw_all)
-    rms_weight = (0.1 * torch.randn(p.index_dim, generator=gen)).to(device)
+    rms_weight = 0.1 * torch.randn(p.index_dim, generator=dgen, device=device)
     compress_reference(cache, batch, torch.zeros_like(batch.context_lens), rms_weight, p,
                        spec.index_format, spec.fp8_dtype)
 
     rows = batch.num_rows
     shape_kv = (rows, p.num_kv_heads, p.head_dim)
-    k_new = activations(gen, shape_kv, kv_out, spec.outlier_scale, device).to(torch.bfloat16)
-    v_new = activations(gen, shape_kv, kv_out, spec.outlier_scale / 3, device).to(torch.bfloat16)
+    k_new = activations(dgen, shape_kv, kv_out, spec.outlier_scale).to(torch.bfloat16)
+    v_new = activations(dgen, shape_kv, kv_out, spec.outlier_scale / 3).to(torch.bfloat16)
     if spec.build_kv:
         store_kv_reference(cache, slots,
-                           activations(gen, (total, *shape_kv[1:]), kv_out, spec.outlier_scale,
-                                       device),
-                           activations(gen, (total, *shape_kv[1:]), kv_out,
-                                       spec.outlier_scale / 3, device),
+                           activations(dgen, (total, *shape_kv[1:]), kv_out, spec.outlier_scale),
+                           activations(dgen, (total, *shape_kv[1:]), kv_out,
+                                       spec.outlier_scale / 3),
                            spec.kv_format, spec.fp8_dtype)
         store_kv_reference(cache, row_slots(batch), k_new, v_new, spec.kv_format, spec.fp8_dtype)
     # Row raw keys are the cache's own raw keys of those positions, so re-writing them is a no-op.
     rs = row_slots(batch)
     raw_rows = cache["index_raw"][rs // p.block_size, rs % p.block_size, 0].clone()
-    q = (torch.randn((rows, p.num_q_heads, p.head_dim), generator=gen)).to(device)
-    q_index = activations(gen, (rows, p.index_heads, p.index_dim), idx_out, 2.0, device)
+    q = torch.randn((rows, p.num_q_heads, p.head_dim), generator=dgen, device=device)
+    q_index = activations(dgen, (rows, p.index_heads, p.index_dim), idx_out, 2.0)
     q_index = q_index / q_index.norm(dim=-1, keepdim=True) * p.index_dim ** 0.5
     return Case(spec, batch, cache, q.to(torch.bfloat16), q_index, rms_weight, raw_rows,
                 k_new, v_new)

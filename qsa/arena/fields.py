@@ -8,11 +8,10 @@ that forgot the scale planes and the draft rows is the bug this module exists to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
-
 import torch
 
-from qsa.formats import check_index_format, check_kv_format, index_layout, kv_layout
+from qsa.formats import (FP8_DTYPES, FormatError, check_index_format, check_kv_format,
+                         index_layout, kv_layout)
 from qsa.presets import ModelPreset
 
 
@@ -44,6 +43,8 @@ class CacheFormats:
     def __post_init__(self) -> None:
         check_kv_format(self.kv)
         check_index_format(self.index)
+        if self.fp8_dtype not in FP8_DTYPES:
+            raise FormatError(f"fp8_dtype: {self.fp8_dtype} is not an FP8 E4M3 dtype")
 
 
 def declare_fields(preset: ModelPreset, formats: CacheFormats) -> tuple[FieldSpec, ...]:
@@ -109,7 +110,3 @@ def allocate_layer(fields: tuple[FieldSpec, ...], num_blocks: int,
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     return {f.name: torch.empty((num_blocks, *f.shape), dtype=f.dtype, device=device)
             for f in fields}
-
-
-def field_names(cache: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
-    return tuple(cache)
