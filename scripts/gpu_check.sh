@@ -28,7 +28,7 @@ print("torch", torch.__version__, "triton", triton.__version__)
 print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
 EOF
 cat "$out/env.txt"
-step ceilings python3 -m qsa.cli ceilings
+step ceilings python3 -m qsa.cli ceilings --measure
 step gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
 for b in scripts/bench_*.py; do
   name="$(basename "$b" .py)"

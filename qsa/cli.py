@@ -1,0 +1,225 @@
+"""`qsa`: the workbench's command line. `qsa --help` lists what exists; each command's
+`--help` is its documentation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
+console = Console()
+
+PRESET_OPT = typer.Option("qwen3.8-flash-next", "--preset", help="Model preset name.")
+
+
+def _print_frame(df, title: str) -> None:
+    table = Table(title=title)
+    for c in df.columns:
+        table.add_column(str(c))
+    for row in df.itertuples(index=False):
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    console.print(table)
+
+
+@app.command()
+def info() -> None:
+    """Show the device, its FP8 flavour, measured ceilings (if cached) and the presets."""
+    from qsa.measure.device import detect_device
+    from qsa.presets import PRESETS
+
+    dev = detect_device()
+    console.print_json(json.dumps(dev.as_record(), default=str))
+    for p in PRESETS.values():
+        console.print(f"[bold]{p.name}[/]: {json.dumps(p.as_dict())}")
+
+
+@app.command()
+def presets() -> None:
+    """List the model presets and their derived quantities."""
+    from qsa.presets import PRESETS
+
+    for p in PRESETS.values():
+        console.print(f"[bold]{p.name}[/] QSA layers {list(p.qsa_layers)}, GQA group "
+                      f"{p.gqa_group}, verify rows {p.rows_per_verify}, budget {p.token_budget}")
+
+
+@app.command()
+def ceilings(out: Path = typer.Option(Path("profiles"), help="profiles root"),
+             measure: bool = typer.Option(False, "--measure", help="measure now and store "
+                                          "under <out>/<device>/ceilings.json (to commit)")
+             ) -> None:
+    """Copy bandwidth and matrix rates of this device: the committed ones, or measured."""
+    from qsa.measure.device import detect_device, load_or_measure_ceilings, measure_ceilings
+    from qsa.measure.results import atomic_write_bytes
+
+    dev = detect_device()
+    if not dev.is_gpu:
+        console.print("[yellow]no GPU: ceilings are only measured on a device[/]")
+        raise typer.Exit(0)
+    if measure:
+        c = measure_ceilings(dev)
+        path = out / dev.slug / "ceilings.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, c.to_json().encode())
+        console.print(f"stored {path}")
+    else:
+        c = load_or_measure_ceilings(dev, profiles_root=out)
+    console.print_json(c.to_json())
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x.replace("K", "")) * (1024 if x.endswith("K") else 1) for x in s.split(",") if x]
+
+
+def _strs(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+@app.command()
+def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: "
+                                 "score_stacked, score_rowwise, score_prefill, topk_expand, "
+                                 "compress, kv_store, sparse_gqa_decode, sparse_gqa_prefill"),
+          batch: str = typer.Option("1,8", help="batch sizes, comma-separated"),
+          context: str = typer.Option("8K", help="contexts, e.g. 8K,32K,128K"),
+          rows: str = typer.Option("4", help="query rows per request"),
+          index_format: str = typer.Option("bf16", help="bf16,fp8,mxfp4"),
+          kv_format: str = typer.Option("bf16", help="bf16,fp8"),
+          preset: str = PRESET_OPT,
+          env: str = typer.Option("", help="environment toggles for the run, e.g. "
+                                  "QSA_STACKED_DECODE_SCORER=0"),
+          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
+    """Verify and time a grid of points (every product of the lists); one results-store run."""
+    import itertools
+
+    from tqdm.auto import tqdm
+
+    from qsa.measure.results import start_run
+    from qsa.workbench.ops import VerificationError, measure
+
+    envd = dict(kv.split("=", 1) for kv in _strs(env))
+    grid = list(itertools.product(_strs(op), _ints(batch), _ints(context), _ints(rows),
+                                  _strs(index_format), _strs(kv_format)))
+    failed = 0
+    with start_run("bench", root=out, extra={"env": envd, "grid": len(grid)}) as run:
+        for o, b, c, r, fi, fk in tqdm(grid, desc="bench", unit="pt"):
+            try:
+                rec = measure(o, preset=preset, batch=b, context=c, rows=r, index_format=fi,
+                              kv_format=fk, env=envd)
+            except (VerificationError, ValueError, RuntimeError) as e:
+                failed += 1
+                console.print(f"[red]{o} b{b} c{c} r{r} {fi}/{fk}: {e}[/]")
+                continue
+            run.add(rec)
+            bw = rec.get("pct_bandwidth")
+            console.print(f"{o} b{b} c{c} r{r} {fi}/{fk}: {rec['us']:.2f} µs"
+                          f"{f', {bw:.0f}% of copy bw' if bw is not None else ''} "
+                          f"({rec['method']}{', functional only' if rec['functional_only'] else ''})")
+    console.print(f"results: {run.directory}  ({len(grid) - failed} verified, {failed} failed)")
+    if failed:
+        raise typer.Exit(1)
+
+
+
+@app.command()
+def step(preset: str = PRESET_OPT,
+         batch: int = typer.Option(8, help="requests in the step"),
+         context: str = typer.Option("32K", help="context per request, e.g. 32K"),
+         mtp: int = typer.Option(3, help="MTP draft tokens (verify rows = mtp + 1)"),
+         index_format: str = typer.Option("bf16", help="target index format"),
+         kv_format: str = typer.Option("bf16", help="target KV format"),
+         out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
+    """Per-step µs of every QSA kernel (target verify + draft calls): sum and graph replay."""
+    from qsa.measure.results import start_run
+    from qsa.workbench.step import step_breakdown
+
+    ctx = _ints(context)[0]
+    df = step_breakdown(preset, batch, ctx, mtp, index_format, kv_format)
+    _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call", "us_per_step",
+                     "share", "method"]], f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, "
+                                         f"index {index_format}, KV {kv_format}")
+    with start_run("step", root=out, extra={"preset": preset, "batch": batch, "context": ctx,
+                                            "mtp": mtp}) as run:
+        run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp,
+                      "index_format": index_format, "kv_format": kv_format}
+                     for r in df.to_dict("records"))
+    console.print(f"results: {run.directory}")
+
+
+@app.command()
+def tune(op: str = typer.Argument(..., help="op to tune, e.g. score_stacked"),
+         preset: str = PRESET_OPT, batch: int = 8, context: str = "32K", rows: int = 4,
+         index_format: str = "bf16", kv_format: str = "bf16",
+         max_candidates: int = typer.Option(48, help="cap on the candidates timed"),
+         write: bool = typer.Option(False, help="store the winner in the config table"),
+         out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
+    """Sweep the config space around the current entry; every candidate verified, then timed."""
+    from qsa.measure.results import start_run
+    from qsa.workbench.tune import tune as run_tune
+
+    ctx = _ints(context)[0]
+    df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
+                  index_format=index_format, kv_format=kv_format,
+                  max_candidates=max_candidates, write=write)
+    ok = df[df["status"] == "ok"].sort_values("us")
+    _print_frame(ok[["candidate", "us", "p10_us", "p90_us", "config"]].head(10),
+                 f"tune {op}: {len(ok)} of {len(df)} candidates verified")
+    with start_run("tune", root=out, extra={"op": op}) as run:
+        run.add_many(r for r in df.to_dict("records"))
+    console.print(f"results: {run.directory}")
+
+
+@app.command()
+def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
+             out: Optional[Path] = typer.Option(None, help="also write CSV + markdown here")
+             ) -> None:
+    """Tokens that fit in the pool for every cache-format combination, and the ratio to BF16."""
+    from qsa.arena.capacity import capacity_table
+
+    df = capacity_table(gib=gib, out_dir=out)
+    _print_frame(df, f"tokens in {gib:g} GiB")
+
+
+@app.command("offload-check")
+def offload_check(kv_format: str = "fp8", index_format: str = "fp8", pages: int = 64) -> None:
+    """Store pages to host memory, scramble the blocks, restore elsewhere, compare bytes."""
+    from qsa.arena.offload import offload_roundtrip_check
+
+    dev = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+    r = offload_roundtrip_check(dev, kv=kv_format, index=index_format, pages=pages)
+    console.print_json(json.dumps(r, default=str))
+    if not r["ok"]:
+        raise typer.Exit(1)
+
+
+
+@app.command()
+def profile(op: str = typer.Option("score_stacked", help="op to capture"),
+            preset: str = PRESET_OPT, batch: int = 8, context: str = "32K", rows: int = 4,
+            index_format: str = "bf16", kv_format: str = "bf16",
+            profiler: str = typer.Option("torch", help="torch | proton | rocprofv3"),
+            steps: int = typer.Option(50, help="calls captured"),
+            out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
+    """Capture a verified point with a profiler and compare its per-kernel time with the
+    timing module's; the trace lands in the run directory under `profiles/`."""
+    from qsa.measure.results import start_run
+    from qsa.workbench.profile import point_from_args, profile_point, run_roctx_steps
+
+    point = point_from_args(op, preset, batch, _ints(context)[0], rows, index_format, kv_format)
+    if profiler == "roctx":  # the child process of a rocprofv3 capture
+        run_roctx_steps(point, steps)
+        return
+    with start_run("profile", root=out, extra={"profiler": profiler, "steps": steps}) as run:
+        rec = profile_point(point, profiler, run.directory / profiler, steps)
+        run.add({**point.as_record(), **rec, "profiler": profiler})
+    console.print_json(json.dumps(rec, default=str))
+    console.print(f"results and trace: {run.directory}")
+
+
+if __name__ == "__main__":
+    app()
