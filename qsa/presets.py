@@ -167,3 +167,8 @@ def get_preset(name: str = DEFAULT_PRESET, **overrides: Any) -> ModelPreset:
     except KeyError:
         raise ShapeError(f"preset: unknown preset {name!r} (known: {', '.join(PRESETS)})") from None
     return preset.replace(**overrides) if overrides else preset
+
+
+def as_preset(preset: "str | ModelPreset") -> ModelPreset:
+    """A preset given by name or as an object (tests and notebooks pass custom ones)."""
+    return preset if isinstance(preset, ModelPreset) else get_preset(preset)

@@ -33,3 +33,12 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str = DEVICE) -
     from qsa.cases import poison_
 
     return poison_(torch.empty(shape, dtype=dtype, device=device))
+
+
+def tiny_preset():
+    """A preset small enough for the interpreter: 2 KV heads, GQA group 2, head dim 64,
+    index dim 64, 16-token pages, top-8 groups, 2 QSA layers."""
+    from qsa.presets import get_preset
+
+    return get_preset(num_q_heads=4, num_kv_heads=2, head_dim=64, index_dim=64, rope_dims=32,
+                      block_size=16, topk_groups=8, num_layers=8)

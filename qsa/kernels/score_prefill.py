@@ -1,0 +1,138 @@
+"""Prefill scorer: matrix-core tiles of BLOCK_M rows of one request x BLOCK_N keys, causal.
+
+Why: a prefill chunk has thousands of rows per request, so a key tile is shared by many rows and
+the kernel is bound by the matrix unit and its epilogue, not by the keys (which stay in L2 across
+row tiles). Hence:
+* one dot per index head with M = BLOCK_M rows (not heads stacked into M as in the decode
+  scorer): every head's accumulator has the same register layout, so the per-head ReLU and the
+  head sum are plain register adds; summing heads out of a stacked M costs a shared-memory round
+  trip per tile, more than the MMA itself at this size;
+* the key tile is decoded once into the q dtype and shared by all rows and heads (exact for every
+  format, `index_tiles.load_key_tile`), and the q tiles of all heads are loaded once per program;
+* rows see different prefixes: a row tile reads keys only up to its largest horizon, key chunks
+  past it only store -inf, and a row's groups past its own horizon are -inf.
+
+The grid is (requests x row tiles) x key chunks, so a short prefill (few row tiles) still fills
+the device and long horizons are balanced over programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qsa.configs import BlockConfig
+from qsa.kernels.common import kernel_repr, lookup, require
+from qsa.kernels.index_tiles import (MIN_MMA_M, key_col_scale, key_rows, load_key_tile,
+                                     plan_tiles, prepare_inputs, row_visibility,
+                                     rows_per_request_bound, score_work, split_config,
+                                     store_ninf, store_scores)
+from qsa.measure.roofline import Work
+from qsa.paging import PagedBatch
+from qsa.presets import ModelPreset
+
+KERNEL = "score_prefill"
+
+
+@triton.jit
+def _head_queries(q_ptr, row0, row_ok, stride_qr, DT: tl.constexpr, H: tl.constexpr,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tuple of H q tiles [BLOCK_M, D] in the dot dtype, one per index head."""
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    q_row = q_ptr + (row0 + r).to(tl.int64)[:, None] * stride_qr + d[None, :]
+    q = ()
+    for h in tl.static_range(H):
+        q = q + (tl.load(q_row + h * D, mask=row_ok[:, None], other=0.0).to(DT),)
+    return q
+
+
+@triton.jit(repr=kernel_repr(KERNEL, ("FMT", "H", "D", "GPB", "BLOCK_M", "BLOCK_N", "TILES",
+                                      "WARPS", "STAGES")))
+def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr, qs_ptr,
+                          pos_ptr, stride_qr, stride_kb, stride_sb, stride_bt, stride_or,
+                          bt_cols, num_blocks, width, out_scale, row_tiles,
+                          FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                          GPB: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
+                          HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          TILES: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr):
+    b = tl.program_id(0) // row_tiles
+    tile0 = tl.program_id(1) * TILES
+    row0 = tl.load(qs_ptr + b) + (tl.program_id(0) % row_tiles) * BLOCK_M
+    nrows = tl.minimum(tl.load(qs_ptr + b + 1) - row0, BLOCK_M)
+    n_groups = tl.load(ctx_ptr + b) // 4
+    row_ok, vis = row_visibility(pos_ptr, row0, nrows, n_groups, BLOCK_M)
+    out_row = out_ptr + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_or
+    horizon = tl.max(tl.where(row_ok, vis, 0), axis=0)
+    if tile0 * BLOCK_N < horizon:
+        # BF16 keys: their storage dtype; FP8/MXFP4 keys decode into the q dtype.
+        if FMT == "bf16":
+            DT: tl.constexpr = kc_ptr.dtype.element_ty
+        else:
+            DT: tl.constexpr = q_ptr.dtype.element_ty
+        q = _head_queries(q_ptr, row0, row_ok, stride_qr, DT, H, D, BLOCK_M)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        n = tl.arange(0, BLOCK_N)
+        for i in range(TILES):
+            g = (tile0 + i) * BLOCK_N + n
+            key_off, scale_off, ok = key_rows(bt_row, g, g < horizon, bt_cols, num_blocks,
+                                              stride_kb, stride_sb, GPB, KROW, SROW)
+            k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, FMT, D,
+                                       BLOCK_N))
+            for h in tl.static_range(H):
+                a = tl.maximum(tl.dot(q[h], k), 0.0)
+                if HAS_W:
+                    a = a * tl.load(w_ptr + h)
+                if h == 0:
+                    s = a
+                else:
+                    s += a
+            col = key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N) * out_scale
+            store_scores(out_row, g, s * col[None, :], vis, row_ok, width)
+    else:
+        store_ninf(out_row, row_ok, tile0, width, BLOCK_M, BLOCK_N, TILES)
+
+
+def rows_per_tile(block_mh: int, heads: int, dim: int) -> int:
+    """Rows of a tile (BLOCK_M) from the config's budget BLOCK_MH, rows x heads at index dim 128:
+    the q tiles of all heads stay resident per program, so more heads or a wider index dim mean
+    fewer rows (16 .. 128)."""
+    require(block_mh >= MIN_MMA_M and block_mh == triton.next_power_of_2(block_mh),
+            f"config: BLOCK_MH {block_mh} must be a power of two >= {MIN_MMA_M}")
+    rows = block_mh * 128 // (triton.next_power_of_2(heads) * dim)
+    return min(128, max(MIN_MMA_M, rows))
+
+
+def score_prefill(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: torch.Tensor,
+                  preset: ModelPreset, index_format: str, *,
+                  head_weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  max_rows_per_request: int | None = None,
+                  config: BlockConfig | None = None) -> torch.Tensor:
+    """Scores [rows, max_ctx // 4] FP32 of any number of rows; matches
+    `qsa.reference.score.score_reference`.
+
+    q_index [rows, H, D] (bf16; the interpreter surrogate passes fp32). `out` and
+    `max_rows_per_request` avoid host syncs and are required while a graph is captured.
+    """
+    inp = prepare_inputs(cache, batch, q_index, preset, index_format, head_weights, out)
+    rmax = rows_per_request_bound(inp, max_rows_per_request, max(inp.rows, 1))
+    if inp.rows == 0 or inp.width == 0:
+        return inp.out
+    cfg, launch = lookup(KERNEL, index_format, inp.rows, config)
+    kw, host = split_config(cfg, launch)
+    block_m = rows_per_tile(host["BLOCK_MH"], inp.heads, inp.dim)
+    row_tiles = triton.cdiv(rmax, block_m)
+    chunks, tiles = plan_tiles(batch.batch * row_tiles, inp.width, kw["BLOCK_N"],
+                               host["PROGRAMS_PER_UNIT"], host["MAX_TILES"], inp.keys.device)
+    _score_prefill_kernel[(batch.batch * row_tiles, chunks)](
+        *inp.common_args(), row_tiles, **inp.common_meta(), BLOCK_M=block_m, TILES=tiles, **kw)
+    return inp.out
+
+
+def work(batch: PagedBatch, preset: ModelPreset, index_format: str, q_itemsize: int = 2) -> Work:
+    """Each request's keys once (row tiles re-read them from L2), q, the FP32 scores and the page
+    table; 2*H*D FLOP per visible (row, group), the causal half excluded."""
+    moved, flops = score_work(batch, preset, index_format, keys_per_row=False,
+                              q_itemsize=q_itemsize)
+    return Work(bytes_moved=moved, flops=flops)

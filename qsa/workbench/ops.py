@@ -1,0 +1,386 @@
+"""Per-op measurement: the one path from a shape to a verified, timed, roofline-annotated record.
+
+`measure()` is what the CLI, the notebooks, the tuner and the step roll-up call. For a point it
+builds inputs from `qsa.cases`, runs the kernel on poisoned outputs and checks it against the
+float32 reference (a timing is only recorded for a verified configuration), then times it over
+rotated copies of the inputs it reads, so every call sees a cold last-level cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from qsa.cases import Case, CaseSpec, make_case, poison_
+from qsa.configs import BlockConfig
+from qsa.formats import dequantize_index
+from qsa.measure.device import DeviceInfo, detect_device, load_or_measure_ceilings
+from qsa.measure.roofline import Work, roofline_record
+from qsa.measure.timing import sets_for_cold_cache, time_fn
+from qsa.presets import ModelPreset, as_preset
+from qsa.reference import (rope_inv_freq, score_reference, sparse_gqa_reference,
+                           topk_expand_reference)
+from qsa.reference.compress import completed_groups
+from qsa.reference.pipeline import pass_start_positions, row_slots
+
+OPS: tuple[str, ...] = ("score_stacked", "score_rowwise", "score_prefill", "topk_expand",
+                        "compress", "kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
+# Config-table name of each op's kernel.
+KERNEL_OF: dict[str, str] = {
+    "score_stacked": "score_stacked", "score_rowwise": "score_rowwise",
+    "score_prefill": "score_prefill", "topk_expand": "topk", "compress": "compress",
+    "kv_store": "kv_quant", "sparse_gqa_decode": "sparse_gqa_decode",
+    "sparse_gqa_prefill": "sparse_gqa_prefill",
+}
+KV_OPS = ("kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
+MAX_ROTATION_BYTES = 24 << 30  # memory allowed for rotated input copies
+
+
+class VerificationError(AssertionError):
+    """A kernel's output disagrees with the reference: the point is not timed."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurable shape: `rows` query rows (new tokens) per request."""
+
+    op: str
+    preset: ModelPreset
+    batch: int
+    context: int
+    rows: int
+    index_format: str = "bf16"
+    kv_format: str = "bf16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op: {self.op!r} is not one of {', '.join(OPS)}")
+        for name in ("batch", "context", "rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.rows > self.context:
+            raise ValueError(f"rows: {self.rows} rows do not fit a context of {self.context}")
+
+    @property
+    def fmt(self) -> str:
+        """Config-table format key: the storage format the op reads."""
+        if self.op == "topk_expand":
+            return "fp32"  # top-k reads FP32 scores whatever the key format
+        return self.kv_format if self.op in KV_OPS else self.index_format
+
+    def as_record(self) -> dict[str, Any]:
+        return {"op": self.op, "preset": self.preset.name, "batch": self.batch,
+                "context": self.context, "rows": self.rows, "index_format": self.index_format,
+                "kv_format": self.kv_format, "seed": self.seed}
+
+
+@dataclass
+class Prepared:
+    """Inputs of one point, ready to verify and time. `call(i, cfg)` runs the kernel on rotation
+    set i; `check(cfg)` runs set 0 on poisoned outputs and raises VerificationError."""
+
+    point: Point
+    call: Callable[[int, BlockConfig | None], Any]
+    check: Callable[[BlockConfig | None], None]
+    work: Work
+    n_sets: int
+    bytes_per_set: int
+    size: int  # the config-table bucket coordinate (rows or tokens of the call)
+
+
+@contextlib.contextmanager
+def env_overrides(env: dict[str, str] | None) -> Iterator[None]:
+    """Temporarily set environment toggles such as QSA_STACKED_DECODE_SCORER."""
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _interpreting(device: str) -> bool:
+    return device == "cpu"
+
+
+def kernel_view(t: torch.Tensor, device: str) -> torch.Tensor:
+    """bf16 tensors reach interpreted kernels as fp32: the interpreter mishandles bf16."""
+    return t.float() if _interpreting(device) and t.dtype == torch.bfloat16 else t
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def rotation_sets(base: dict[str, torch.Tensor], work: Work, dev: DeviceInfo
+                  ) -> list[dict[str, torch.Tensor]]:
+    """Copies of the tensors an op reads, enough that cycling through them exceeds three times
+    the last-level cache (one set on the CPU, where times mean nothing)."""
+    n = 1
+    if dev.is_gpu:
+        n = sets_for_cold_cache(max(work.bytes_moved, 1), dev.llc_bytes)
+        n = max(1, min(n, MAX_ROTATION_BYTES // max(_nbytes(base), 1)))
+    return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(n - 1)]
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float
+                 ) -> None:
+    """Same infinities, NaN (poison) exactly where the reference has it (slots the call must
+    not write), and |got - want| <= atol + rtol * |want| elsewhere."""
+    got, want = got.float().cpu(), want.float().cpu()
+    if got.shape != want.shape:
+        raise VerificationError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan_g, nan_w):
+        raise VerificationError(f"{name}: {int((nan_g & ~nan_w).sum())} unwritten (poisoned) "
+                                f"elements, {int((nan_w & ~nan_g).sum())} written where nothing "
+                                "should be")
+    inf_g, inf_w = torch.isinf(got), torch.isinf(want)
+    if not torch.equal(inf_g, inf_w) or not torch.equal(got[inf_g], want[inf_w]):
+        raise VerificationError(f"{name}: infinite entries differ from the reference")
+    fin = ~inf_w & ~nan_w
+    g, w = got[fin], want[fin]
+    excess = (g - w).abs() - (atol + rtol * w.abs())
+    if (excess > 0).any():
+        i = int(torch.argmax(excess))
+        raise VerificationError(f"{name}: error {float((g[i] - w[i]).abs()):.3g} exceeds the "
+                                f"tolerance at element {i} (got {float(g[i]):.6g}, want "
+                                f"{float(w[i]):.6g})")
+
+
+def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-for-bit by value: -0 equals +0, and poison (NaN) left where the reference has it
+    too, i.e. in slots the call must not write, counts as equal."""
+    if got.dtype != want.dtype:  # an fp32 surrogate of a bf16 field: compare as stored
+        got = got.to(want.dtype)
+    if not want.dtype.is_floating_point:
+        return torch.equal(got.cpu(), want.cpu())
+    return torch.allclose(got.float().cpu(), want.float().cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+def _case(point: Point, device: str, dev: DeviceInfo, build_kv: bool) -> Case:
+    spec = CaseSpec(point.preset, (point.context,) * point.batch, (point.rows,) * point.batch,
+                    index_format=point.index_format, kv_format=point.kv_format,
+                    fp8_dtype=dev.fp8_dtype or torch.float8_e4m3fn, seed=point.seed,
+                    build_kv=build_kv)
+    return make_case(spec, device)
+
+
+def _index_planes(case: Case, device: str) -> dict[str, torch.Tensor]:
+    return {k: kernel_view(v, device) for k, v in case.cache.items()
+            if k.startswith("index_compressed")}
+
+
+def _prepare_score(point: Point, device: str, dev: DeviceInfo) -> Prepared:
+    from qsa.kernels import score_prefill, score_rowwise, score_stacked
+
+    mod = {"score_stacked": score_stacked, "score_rowwise": score_rowwise,
+           "score_prefill": score_prefill}[point.op]
+    fn = getattr(mod, point.op)
+    extra = {"max_rows_per_request": point.rows} if point.op == "score_stacked" else {}
+    case = _case(point, device, dev, build_kv=False)
+    p, fmt = point.preset, point.index_format
+    want = score_reference(case.cache, case.batch, case.q_index, p, fmt)
+    work = mod.work(case.batch, p, fmt)
+    q = kernel_view(case.q_index.to(torch.bfloat16), device)  # kernels take bf16 queries
+    sets = rotation_sets({**_index_planes(case, device), "q_index": q}, work, dev)
+    outs = [torch.empty_like(want) for _ in sets]
+
+    def call(i: int, cfg: BlockConfig | None) -> torch.Tensor:
+        s = sets[i]
+        cache = {k: v for k, v in s.items() if k != "q_index"}
+        return fn(cache, case.batch, s["q_index"], p, fmt, out=outs[i], config=cfg, **extra)
+
+    def check(cfg: BlockConfig | None) -> None:
+        poison_(outs[0])
+        # bf16 queries and MMA operands against an FP32 reference
+        assert_close(point.op, call(0, cfg), want, atol=3e-2, rtol=3e-2)
+
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+
+
+def _prepare_topk(point: Point, device: str, dev: DeviceInfo) -> Prepared:
+    from qsa.kernels import topk
+
+    case = _case(point, device, dev, build_kv=False)
+    p = point.preset
+    scores = score_reference(case.cache, case.batch, case.q_index, p, point.index_format)
+    want = topk_expand_reference(scores, case.batch, p)
+    work = topk.work(p, case.batch.num_rows, scores.shape[1])
+    sets = rotation_sets({"scores": scores}, work, dev)
+    outs = [torch.empty_like(want) for _ in sets]
+
+    def call(i: int, cfg: BlockConfig | None) -> torch.Tensor:
+        return topk.topk_expand(sets[i]["scores"], case.batch, p, config=cfg, out=outs[i])
+
+    def check(cfg: BlockConfig | None) -> None:
+        outs[0].fill_(-2)
+        got = call(0, cfg).cpu()
+        diff = (got != want.cpu()).any(1)
+        if diff.any():
+            raise VerificationError(f"topk_expand: row {int(diff.nonzero()[0])} selects other "
+                                    "tokens than the reference")
+
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+
+
+def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
+    from qsa.kernels import compress
+
+    case = _case(point, device, dev, build_kv=False)
+    p, fmt = point.preset, point.index_format
+    start = pass_start_positions(case.batch)
+    want = {k: v.clone() for k, v in case.cache.items() if k.startswith("index_compressed")}
+    groups = int((case.batch.context_lens // 4 - start // 4).clamp(min=0).sum())
+    work = compress.work(p, fmt, groups)
+    inv_freq = rope_inv_freq(p).to(device)
+    sets = rotation_sets({k: kernel_view(v, device) for k, v in case.cache.items()}, work, dev)
+
+    def call(i: int, cfg: BlockConfig | None) -> None:
+        compress.compress_index_keys(sets[i], case.batch, start, case.rms_weight, inv_freq, p,
+                                     fmt, config=cfg)
+
+    req, grp = completed_groups(case.batch, start)
+    slot = case.batch.slots(req, grp * 4)
+    blk, off = slot // p.block_size, (slot % p.block_size) // 4
+
+    def check(cfg: BlockConfig | None) -> None:
+        for k in want:  # poison exactly the slots this pass must write
+            sets[0][k][blk, off] = poison_(sets[0][k][blk, off])
+        call(0, cfg)
+        scale = "index_compressed_scale"
+        got = dequantize_index(sets[0]["index_compressed"].to(want["index_compressed"].dtype),
+                               sets[0].get(scale), fmt)
+        ref = dequantize_index(want["index_compressed"], want.get(scale), fmt)
+        # Keys pass through sin/cos, whose last bits differ between devices and libraries; a
+        # 1-ulp input change may move a code by one quantization step. Allow that for at most
+        # 1% of elements; every slot the pass completes must be written, no other slot.
+        assert_close("compress", got, ref, atol=float("inf"), rtol=0.0)
+        got, ref = got[blk, off], ref[blk, off]
+        wrong = ((got - ref).abs() > 0.13 * ref.abs() + 1e-6) & torch.isfinite(ref)
+        if float(wrong.float().mean()) > 0.01:
+            raise VerificationError(f"compress: {int(wrong.sum())} of {wrong.numel()} key elements "
+                                    "differ from the reference by more than one step")
+
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+
+
+def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
+    from qsa.kernels import kv_quant
+
+    case = _case(point, device, dev, build_kv=True)
+    p, fmt = point.preset, point.kv_format
+    slots = row_slots(case.batch).to(torch.int64)
+    want = {k: v.clone() for k, v in case.cache.items() if k[0] in "kv"}
+    work = kv_quant.work(p, case.batch.num_rows, fmt)
+    base = {"k_new": kernel_view(case.k_new, device), "v_new": kernel_view(case.v_new, device),
+            **{k: kernel_view(v, device) for k, v in want.items()}}
+    sets = rotation_sets(base, work, dev)
+
+    def call(i: int, cfg: BlockConfig | None) -> None:
+        s = sets[i]
+        kv_quant.store_kv({k: s[k] for k in want}, slots, s["k_new"], s["v_new"], fmt,
+                          config=cfg)
+
+    def check(cfg: BlockConfig | None) -> None:
+        s = sets[0]
+        rs = slots
+        for k in want:  # poison exactly the slots the call must write
+            s[k][rs // p.block_size, rs % p.block_size] = poison_(s[k][:1, :1].clone())[0, 0]
+        call(0, cfg)
+        for k, ref in want.items():
+            got = s[k]
+            if got.dtype.is_floating_point and got.element_size() == 1 and _interpreting(device):
+                assert_close(k, got.float(), ref.float(), atol=0.0, rtol=0.13)
+            elif not same_values(got, ref):
+                raise VerificationError(f"kv_store: {k} differs from the reference")
+
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+
+
+def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
+    from qsa.kernels import sparse_gqa
+
+    fn = (sparse_gqa.sparse_gqa_decode if point.op == "sparse_gqa_decode"
+          else sparse_gqa.sparse_gqa_prefill)
+    case = _case(point, device, dev, build_kv=True)
+    p, fmt = point.preset, point.kv_format
+    scores = score_reference(case.cache, case.batch, case.q_index, p, point.index_format)
+    ids = topk_expand_reference(scores, case.batch, p)
+    want = sparse_gqa_reference(case.q, case.cache, case.batch, ids, fmt, p.softmax_scale)
+    work = sparse_gqa.work(ids, case.batch, p, fmt)
+    kv = {k: kernel_view(v, device) for k, v in case.cache.items() if k[0] in "kv"}
+    sets = rotation_sets({**kv, "q": kernel_view(case.q, device)}, work, dev)
+    outs = [torch.empty(case.q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
+
+    def call(i: int, cfg: BlockConfig | None) -> torch.Tensor:
+        s = sets[i]
+        return fn(s["q"], {k: s[k] for k in kv}, case.batch, ids, p, fmt, out=outs[i],
+                  config=cfg)
+
+    def check(cfg: BlockConfig | None) -> None:
+        poison_(outs[0])
+        assert_close(point.op, call(0, cfg), want, atol=2e-2, rtol=2e-2)
+
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+
+
+_PREPARERS: dict[str, Callable[[Point, str, DeviceInfo], Prepared]] = {
+    "score_stacked": _prepare_score, "score_rowwise": _prepare_score,
+    "score_prefill": _prepare_score, "topk_expand": _prepare_topk,
+    "compress": _prepare_compress, "kv_store": _prepare_kv_store,
+    "sparse_gqa_decode": _prepare_attention, "sparse_gqa_prefill": _prepare_attention,
+}
+
+
+def prepare(point: Point, device: str | None = None) -> Prepared:
+    dev = detect_device()
+    device = device or ("cuda" if dev.is_gpu else "cpu")
+    return _PREPARERS[point.op](point, device, dev)
+
+
+def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
+                     samples: int | None = None) -> dict[str, Any]:
+    """Verify, then time, one prepared point under one config; one flat record."""
+    dev = detect_device()
+    prep.check(config)
+    kw = {} if samples is None else {"samples": samples}
+    timing = time_fn(lambda i: prep.call(i, config), prep.n_sets,
+                     bytes_per_set=prep.bytes_per_set, **kw)
+    ceilings = load_or_measure_ceilings(dev) if dev.is_gpu else None
+    matrix = "fp8" if prep.point.fmt == "fp8" and prep.point.op == "score_prefill" else "bf16"
+    rec: dict[str, Any] = {
+        **prep.point.as_record(),
+        "kernel": KERNEL_OF[prep.point.op],
+        "config": json.dumps(config.as_dict() if config else None, sort_keys=True),
+        "verified": True,
+        **timing.as_record(),
+        **roofline_record(timing, prep.work, ceilings, matrix=matrix),
+    }
+    rec["us"] = rec["median_us"]
+    return rec
+
+
+def measure(op: str, *, preset: str | ModelPreset = "qwen3.8-flash-next", batch: int,
+            context: int,
+            rows: int, index_format: str = "bf16", kv_format: str = "bf16",
+            config: BlockConfig | None = None, device: str | None = None,
+            env: dict[str, str] | None = None, seed: int = 0,
+            samples: int | None = None) -> dict[str, Any]:
+    """Build, verify and time one point; see the module docstring."""
+    with env_overrides(env):
+        point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
+                      seed)
+        rec = measure_prepared(prepare(point, device), config, samples)
+    rec["env"] = json.dumps(env or {}, sort_keys=True)
+    return rec

@@ -1,0 +1,96 @@
+"""Per-step roll-up: what one decode step of the model spends in QSA kernels.
+
+A step (MTP depth m) runs, per request, the target's QSA layers on m+1 verify rows each, and the
+draft layer m times on one row (spec section 2). The table gives every kernel's µs per call,
+calls per step and share, summed; and, on a GPU, the same step captured once as a graph and
+replayed, which includes the gaps between kernels that a server sees.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pandas as pd
+
+from qsa.measure.timing import time_fn
+from qsa.presets import ModelPreset, as_preset
+from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
+
+# Kernels of one layer pass, in execution order; the scorer is chosen like the runtime does.
+LAYER_OPS: tuple[str, ...] = ("compress", "kv_store", "score", "topk_expand",
+                              "sparse_gqa_decode")
+
+
+def decode_scorer_op() -> str:
+    """`QSA_STACKED_DECODE_SCORER=0` selects the row-wise kernel (A/B runs, escape hatch)."""
+    return "score_rowwise" if os.environ.get("QSA_STACKED_DECODE_SCORER", "1") == "0" \
+        else "score_stacked"
+
+
+@dataclass(frozen=True)
+class StepCall:
+    phase: str  # "target" or "draft"
+    op: str
+    rows: int
+    calls_per_step: int
+    index_format: str
+    kv_format: str
+
+
+def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
+               draft_index_format: str = "bf16", draft_kv_format: str = "bf16"
+               ) -> list[StepCall]:
+    """The kernel calls of one decode step, one entry per distinct (phase, op) call shape."""
+    if mtp < 0:
+        raise ValueError(f"mtp: must be >= 0, got {mtp}")
+    score = decode_scorer_op()
+    ops = [score if o == "score" else o for o in LAYER_OPS]
+    calls = [StepCall("target", o, mtp + 1, len(preset.qsa_layers), index_format, kv_format)
+             for o in ops]
+    if mtp and preset.draft_layers:
+        calls += [StepCall("draft", o, 1, mtp * preset.draft_layers, draft_index_format,
+                           draft_kv_format) for o in ops]
+    return calls
+
+
+def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int = 3,
+                   index_format: str = "bf16", kv_format: str = "bf16",
+                   device: str | None = None, graph: bool = True,
+                   samples: int | None = None) -> pd.DataFrame:
+    """One row per (phase, kernel): µs per call, calls per step, µs per step and share of the
+    summed step; then a `sum` row and, where graphs work, a `graph replay` row."""
+    p = as_preset(preset)
+    calls = step_calls(p, mtp, index_format, kv_format)
+    preps: list[tuple[StepCall, Prepared]] = []
+    rows = []
+    for c in calls:
+        prep = prepare(Point(c.op, p, batch, context, c.rows, c.index_format, c.kv_format),
+                       device)
+        rec = measure_prepared(prep, samples=samples)
+        preps.append((c, prep))
+        rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,
+                     "calls_per_step": c.calls_per_step, "us_per_call": rec["us"],
+                     "us_per_step": rec["us"] * c.calls_per_step,
+                     "method": rec["method"], "functional_only": rec["functional_only"]})
+    df = pd.DataFrame(rows)
+    total = df["us_per_step"].sum()
+    df["share"] = df["us_per_step"] / total
+    summary = [{"phase": "step", "kernel": "sum of kernels", "us_per_step": total, "share": 1.0,
+                "method": df["method"].iloc[0], "functional_only": bool(df["functional_only"].any())}]
+    if graph and not bool(df["functional_only"].any()):
+        t = time_fn(lambda i: _run_step(preps, i), 1, method="graph")
+        summary.append({"phase": "step", "kernel": "graph replay", "us_per_step": t.median_us,
+                        "share": t.median_us / total, "method": t.method,
+                        "functional_only": t.functional_only})
+    return pd.concat([df, pd.DataFrame(summary)], ignore_index=True)
+
+
+def _run_step(preps: list[tuple[StepCall, Prepared]], i: int) -> None:
+    """One whole step: every layer's calls in order, each on its own rotation set, as the
+    model's other layers would leave the caches cold."""
+    n_calls = max(c.calls_per_step for c, _ in preps)
+    for layer in range(n_calls):
+        for c, prep in preps:
+            if layer < c.calls_per_step:
+                prep.call((i * n_calls + layer) % prep.n_sets, None)

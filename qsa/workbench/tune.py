@@ -1,0 +1,125 @@
+"""Block-config tuner: verified candidates, timed with the workbench's method, winners written
+to the per-arch config tables with provenance.
+
+The search space is derived from the table's current entry, so no second hand-kept list of a
+kernel's constexprs exists: every integer meta-parameter is tried at half, same and double its
+value, with the launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds
+`waves_per_eu`). Candidates that exceed shared memory or registers are pruned by Triton's own
+resource check at compile time (`OutOfResources`, before any launch); like every failing
+candidate (compile error, wrong result) they are recorded with the reason and skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+import traceback
+from typing import Any
+
+import pandas as pd
+import torch
+
+from qsa.configs import BlockConfig, get_config, write_entry
+from qsa.kernels.common import backend_and_arch
+from qsa.measure.device import detect_device
+from qsa.presets import ModelPreset, as_preset
+from qsa.workbench.ops import KERNEL_OF, Point, measure_prepared, prepare
+
+WARPS = (2, 4, 8)
+STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
+WAVES_PER_EU = (0, 1, 2)
+
+
+def _neighbours(v: int) -> tuple[int, ...]:
+    return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
+
+
+def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48
+                 ) -> list[BlockConfig]:
+    """Candidates around `base`, the fewest changes first, the base itself first of all."""
+    keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
+    axes = [_neighbours(base.meta[k]) for k in keys]
+    warps, stages = WARPS, STAGES.get(backend, (base.num_stages,))
+    waves = WAVES_PER_EU if backend == "hip" else (None,)
+    out = []
+    for vals, w, s, we in itertools.product(itertools.product(*axes), warps, stages, waves):
+        amd = dict(base.amd)
+        if we is not None:
+            amd["waves_per_eu"] = we
+        out.append(BlockConfig({**base.meta, **dict(zip(keys, vals))}, w, s, amd))
+
+    def changes(c: BlockConfig) -> int:
+        return (sum(c.meta[k] != base.meta[k] for k in keys) + (c.num_warps != base.num_warps)
+                + (c.num_stages != base.num_stages) + (c.amd != base.amd))
+
+    uniq = {json.dumps(c.as_dict(), sort_keys=True): c for c in out}
+    ranked = sorted(uniq.values(), key=changes)
+    return ranked[:max_candidates]
+
+
+def tune(op: str, *, preset: str | ModelPreset = "qwen3.8-flash-next", batch: int, context: int, rows: int,
+         index_format: str = "bf16", kv_format: str = "bf16", device: str | None = None,
+         max_candidates: int = 48, samples: int | None = None, write: bool = False,
+         progress: bool = True) -> pd.DataFrame:
+    """Time every candidate on one shape; with `write`, store the fastest verified config in
+    the table for this arch, format and shape bucket (if it beats the current entry beyond the
+    noise, or confirms it)."""
+    point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
+    prep = prepare(point, device)
+    backend, arch = backend_and_arch()
+    current = get_config(KERNEL_OF[op], arch, point.fmt, prep.size)
+    space = config_space(op, current.config, backend, max_candidates)
+    rows_out: list[dict[str, Any]] = []
+    it = space
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(space, desc=f"tune {op}", unit="cfg")
+    for i, cfg in enumerate(it):
+        rec: dict[str, Any] = {"candidate": i, "is_current": i == 0,
+                               "config": json.dumps(cfg.as_dict(), sort_keys=True)}
+        try:
+            r = measure_prepared(prep, cfg, samples)
+            rec.update(status="ok", us=r["us"], p10_us=r["p10_us"], p90_us=r["p90_us"],
+                       iqr_us=r["iqr_us"], method=r["method"],
+                       functional_only=r["functional_only"], error="")
+        except Exception as e:  # compile error, OutOfResources, VerificationError: skip it
+            rec.update(status=type(e).__name__, us=float("nan"), error=_short(e))
+        rows_out.append(rec)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    df = pd.DataFrame(rows_out)
+    for k, v in point.as_record().items():
+        df[k] = v
+    df["arch"], df["bucket"] = arch, prep.size
+    if write:
+        write_winner(df, op, arch, point.fmt, prep.size)
+    return df
+
+
+def _short(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()[:500]
+
+
+def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) -> BlockConfig:
+    """Store the fastest verified candidate with provenance: device, date, versions, µs, and the
+    current entry's µs it was measured against in the same run."""
+    ok = df[df["status"] == "ok"]
+    if ok.empty:
+        raise RuntimeError(f"tune {op}: no candidate passed verification; nothing written")
+    if bool(ok["functional_only"].any()):
+        raise RuntimeError(f"tune {op}: interpreter timings mean nothing; nothing written")
+    best = ok.loc[ok["us"].idxmin()]
+    cur = ok[ok["is_current"]]
+    dev = detect_device()
+    import triton
+
+    prov = {"tuned": True, "device": dev.name, "arch": arch, "date": dt.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__, "us": float(best["us"]),
+            "p10_us": float(best["p10_us"]), "p90_us": float(best["p90_us"]),
+            "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
+            "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None}
+    cfg = BlockConfig.from_dict(json.loads(best["config"]))
+    write_entry(KERNEL_OF[op], arch, fmt, bucket, cfg, prov)
+    return cfg

@@ -1,0 +1,69 @@
+"""The measurement path: every op verifies against the reference before it is timed, and a
+wrong kernel output is refused, never timed."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from qsa.workbench import ops
+from qsa.workbench.ops import OPS, Point, VerificationError, measure, prepare
+from support import tiny_preset
+
+TINY = tiny_preset()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_verifies_and_records(op):
+    fmt = {"kv_store": ("bf16", "fp8"), "sparse_gqa_decode": ("fp8", "fp8")}.get(op, ("mxfp4", "bf16"))
+    rec = measure(op, preset=TINY, batch=2, context=45, rows=2, index_format=fmt[0],
+                  kv_format=fmt[1], samples=1)
+    assert rec["verified"] is True
+    assert rec["op"] == op and rec["batch"] == 2 and rec["context"] == 45
+    assert rec["bytes_moved"] > 0 and rec["us"] > 0
+    if not torch.cuda.is_available():
+        assert rec["functional_only"] is True and rec["pct_bandwidth"] is None
+    json.loads(rec["config"])
+
+
+def test_wrong_output_is_refused_not_timed(monkeypatch):
+    from qsa.kernels import score_stacked as mod
+
+    real = mod.score_stacked
+
+    def broken(*args, **kw):
+        out = real(*args, **kw)
+        out[0, 0] += 1.0  # one wrong score
+        return out
+
+    monkeypatch.setattr(mod, "score_stacked", broken)
+    timed = []
+    monkeypatch.setattr(ops, "time_fn", lambda *a, **k: timed.append(1))
+    with pytest.raises(VerificationError, match="score_stacked"):
+        measure("score_stacked", preset=TINY, batch=2, context=45, rows=2)
+    assert not timed
+
+
+def test_unwritten_output_is_refused(monkeypatch):
+    from qsa.kernels import score_rowwise as mod
+
+    monkeypatch.setattr(mod, "score_rowwise", lambda *a, out, **k: out)  # writes nothing
+    with pytest.raises(VerificationError, match="unwritten"):
+        prepare(Point("score_rowwise", TINY, 1, 30, 1)).check(None)
+
+
+def test_env_overrides_are_restored(monkeypatch):
+    monkeypatch.delenv("QSA_STACKED_DECODE_SCORER", raising=False)
+    with ops.env_overrides({"QSA_STACKED_DECODE_SCORER": "0"}):
+        assert os.environ["QSA_STACKED_DECODE_SCORER"] == "0"
+    assert "QSA_STACKED_DECODE_SCORER" not in os.environ
+
+
+def test_point_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="op:"):
+        Point("nope", TINY, 1, 8, 1)
+    with pytest.raises(ValueError, match="rows:"):
+        Point("score_stacked", TINY, 1, 3, 4)
+    with pytest.raises(ValueError, match="batch:"):
+        Point("score_stacked", TINY, 0, 8, 1)
