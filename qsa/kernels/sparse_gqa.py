@@ -1,0 +1,448 @@
+"""Sparse GQA over the selected token ids of each query row (spec section 2 step 7), reading BF16
+or FP8 (E4M3 + FP32 per-(token, KV head) scale) K/V tiles from the paged cache.
+
+Design, and why:
+* One program owns one (query row, KV head): the G query heads of that KV head form the M side of
+  one MMA tile (padded to 16, the smallest MMA M, with masked rows), so every K/V byte loaded is
+  used by all G heads (spec 2.7; anchors 3.6). Rows have independent selections, so rows are not
+  stacked: they would not share K tiles.
+* Token ids are looked up through the page table per token; a selected group is a 4-token run
+  inside one page, so loads are full head_dim rows (512 B in BF16) and never straddle a page.
+* Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
+* FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
+  probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
+  sm90 an E4M3 pair converts to FP16 in one instruction but to BF16 only through two more
+  quarter-rate conversions, which would make FP8 dequantization-bound (anchors 6.1, 7). To keep
+  FP16 in range, q is scaled by a power of two per tile (undone in the score scale) and each
+  row's scaled probabilities are normalised by their tile maximum (undone on the PV result).
+* Decode grids (rows x KV heads) are often far smaller than the device, so the token list is
+  split across programs, each writing a partial output and its log-sum-exp; a merge kernel
+  combines them. The split count comes from the config or from the SM/CU count.
+* Prefill is the same kernel, unsplit, with its own throughput-sized block config.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from qsa.configs import BlockConfig
+from qsa.formats import FP8_DTYPES, check_kv_format
+from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, lookup, require,
+                                require_dtype, require_inner_contiguous)
+from qsa.measure.roofline import Work
+from qsa.paging import BatchError, PagedBatch
+from qsa.presets import ModelPreset
+
+KERNEL_DECODE = "sparse_gqa_decode"
+KERNEL_PREFILL = "sparse_gqa_prefill"
+__all__ = ["KERNEL_DECODE", "KERNEL_PREFILL", "choose_splits", "sparse_gqa_decode",
+           "sparse_gqa_prefill", "split_count", "work"]
+
+LOG2E = 1.4426950408889634
+MIN_M = 16  # smallest MMA M on every target (mma m16n8k16, MFMA 16x16)
+MAX_M = 128
+MAX_SPLITS = 64
+# Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
+_HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
+              "MERGE_WARPS")
+_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT")
+
+
+def _attention_repr(spec) -> str:
+    """One kernel serves both phases; the name says which, so profiler rows tell them apart."""
+    name = KERNEL_PREFILL if spec.constants.get("PREFILL") else KERNEL_DECODE
+    return kernel_repr(name, _REPR_KEYS)(spec)
+
+
+@triton.jit
+def _row_request(qs_ptr, row, batch, BATCH_P2: tl.constexpr):
+    """Request of a query row: how many requests end at or before it (query_start is CSR)."""
+    b = tl.arange(0, BATCH_P2)
+    ends = tl.load(qs_ptr + 1 + b, mask=b < batch, other=2147483647)
+    return tl.minimum(tl.sum((ends <= row).to(tl.int32), axis=0), batch - 1)
+
+
+@triton.jit(repr=_attention_repr)
+def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
+                       out_ptr, po_ptr, lse_ptr,
+                       batch, num_blocks, max_pages, width, num_splits,
+                       stride_qr, stride_qh, stride_ir, stride_bt, stride_kb, stride_vb,
+                       stride_ksb, stride_vsb, stride_or, stride_oh, qk_scale,
+                       HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                       SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
+                       FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr):
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    unit = pid // num_splits
+    row = unit // HKV
+    head = unit % HKV
+    row64 = row.to(tl.int64)
+    req = _row_request(qs_ptr, row, batch, BATCH_P2)
+    ctx = tl.load(ctx_ptr + req)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    ids_row = ids_ptr + row64 * stride_ir
+    n_lo = split * (SPLIT_BLOCKS * BLOCK_N)
+
+    m_offs = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    heads = head * G + m_offs
+    q = tl.load(q_ptr + row64 * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                mask=(m_offs < G)[:, None], other=0.0)
+    if FP8:
+        # Power-of-two scale so the largest |q| lands in [2^14, 2^15): exact in FP16 range.
+        qf = q.to(tl.float32)
+        qa = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        qmul = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(qa, 1e-30))))
+        q = (qf * qmul).to(tl.float16)
+        score_scale = qk_scale / qmul
+    else:
+        score_scale = qk_scale
+
+    # -1e30, not -inf: a tile with no valid token then gives alpha = 1 and p = 0, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    head_off = head * D
+    # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
+    # under numpy >= 2.4, and whole blocks per split make it exact anyway.
+    for i in range(SPLIT_BLOCKS):
+        n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        ids = tl.load(ids_row + n, mask=n < width, other=-1)
+        page = ids // PAGE
+        valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+        blk = tl.load(bt_row + page, mask=valid, other=-1)
+        valid = valid & (blk >= 0) & (blk < num_blocks)
+        blk64 = blk.to(tl.int64)
+        tok = (ids % PAGE) * HKV
+        kv_off = tok * D + head_off
+        k = tl.load(k_ptr + (blk64 * stride_kb + kv_off)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if FP8:
+            ksc = tl.load(ks_ptr + blk64 * stride_ksb + tok + head, mask=valid, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(tl.float16)))
+            s = s * (ksc * score_scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k)) * score_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk64 * stride_vb + kv_off)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if FP8:
+            vsc = tl.load(vs_ptr + blk64 * stride_vsb + tok + head, mask=valid, other=0.0)
+            pv = p * vsc[None, :]
+            r = tl.max(pv, axis=1)
+            r = tl.where(r > 0.0, r, 1.0)
+            pv = (pv * (1.0 / r)[:, None]).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * r[:, None]
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    hmask = (m_offs < G)[:, None]
+    if SPLIT:
+        part = (row64 * (HKV * G) + heads) * num_splits + split  # [rows, Hq, splits] order
+        tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask)
+        tl.store(lse_ptr + part, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
+                                          float("-inf")), mask=m_offs < G)
+    else:
+        tl.store(out_ptr + row64 * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D"]))
+def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
+                  HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Log-sum-exp merge of the split partials of one (row, query head) and a D slice."""
+    rh = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = s < num_splits
+    lse = tl.load(lse_ptr + rh * num_splits + s, mask=live, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no split has a token: every weight is 0
+    w = tl.exp2(lse - top)  # a split with no token has lse -inf, weight 0
+    den = tl.sum(w, axis=0)
+    o = tl.load(po_ptr + (rh * num_splits + s)[:, None] * D + d[None, :], mask=live[:, None],
+                other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    row = rh // HQ
+    h = rh % HQ
+    tl.store(out_ptr + row * stride_or + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+def _float_dtypes() -> tuple[torch.dtype, ...]:
+    """BF16 storage; fp32 too under the interpreter, whose bf16 arithmetic is broken and whose
+    tests hand kernels fp32 copies (tests/support.py)."""
+    return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
+
+
+def _check(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
+           token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
+           out: torch.Tensor | None) -> None:
+    """Shape, dtype and layout checks: host metadata only, no device reads."""
+    try:
+        check_kv_format(kv_format)
+    except ValueError as e:
+        raise KernelInputError(str(e)) from None
+    for name in ("k", "v"):
+        require(name in cache, f"cache: no '{name}' field")
+    kc, vc = cache["k"], cache["v"]
+    hq, hkv, d = preset.num_q_heads, preset.num_kv_heads, preset.head_dim
+    require(q.dim() == 3 and tuple(q.shape[1:]) == (hq, d),
+            f"q: expected [rows, {hq}, {d}] for preset {preset.name}, got {tuple(q.shape)}")
+    require_dtype(q, "q", _float_dtypes())
+    require_inner_contiguous(q, "q", 2)
+    rows = q.shape[0]
+    shape = (batch.block_size, hkv, d)
+    require(kc.dim() == 4 and tuple(kc.shape[1:]) == shape,
+            f"cache['k']: expected [blocks, {', '.join(map(str, shape))}] (block_size, Hkv, D "
+            f"of the batch and preset), got {tuple(kc.shape)}")
+    require(vc.shape == kc.shape, f"cache['v']: shape {tuple(vc.shape)} differs from "
+                                  f"cache['k'] {tuple(kc.shape)}")
+    require(vc.dtype == kc.dtype, f"cache['v']: dtype {vc.dtype} differs from cache['k'] "
+                                  f"{kc.dtype}")
+    planes = [("k", kc), ("v", vc)]
+    if kv_format == "fp8":
+        require_dtype(kc, "cache['k']", FP8_DTYPES)
+        for name in ("k_scale", "v_scale"):
+            require(name in cache, f"cache: an FP8 cache needs its '{name}' plane")
+            s = cache[name]
+            require(tuple(s.shape) == tuple(kc.shape[:3]),
+                    f"cache['{name}']: expected {tuple(kc.shape[:3])}, got {tuple(s.shape)}")
+            require_dtype(s, f"cache['{name}']", (torch.float32,))
+            planes.append((name, s))
+    else:
+        require(kc.dtype == q.dtype, f"cache['k']: dtype {kc.dtype} does not match q "
+                                     f"{q.dtype} for a BF16 cache")
+    for name, t in planes:
+        require_inner_contiguous(t, f"cache['{name}']", t.dim() - 1)
+    require(token_ids.dim() == 2 and token_ids.shape[0] == rows and token_ids.shape[1] >= 1,
+            f"token_ids: expected [{rows}, width >= 1], got {tuple(token_ids.shape)}")
+    require_dtype(token_ids, "token_ids", (torch.int32,))
+    require_inner_contiguous(token_ids, "token_ids", 1)
+    bt = batch.block_table
+    for name, t, nd in (("block_table", bt, 2), ("context_lens", batch.context_lens, 1),
+                        ("query_start", batch.query_start, 1), ("positions", batch.positions, 1)):
+        require(t.dtype == torch.int32 and t.dim() == nd,
+                f"batch.{name}: expected int32 with {nd} dims, got {t.dtype} {tuple(t.shape)}")
+    require(bt.stride(1) == 1, "batch.block_table: rows must be contiguous")
+    require(batch.context_lens.is_contiguous() and batch.query_start.is_contiguous(),
+            "batch.context_lens / query_start must be contiguous")
+    require(batch.batch >= 1 and batch.query_start.shape[0] == batch.batch + 1
+            and bt.shape[0] == batch.batch,
+            f"batch: {batch.batch} requests, {batch.query_start.shape[0]} query_start entries, "
+            f"{bt.shape[0]} block_table rows")
+    require(batch.num_rows == rows, f"q: {rows} rows, the batch has {batch.num_rows}")
+    require(d & (d - 1) == 0 and 16 <= d <= 256,
+            f"head_dim {d}: unsupported (a power of two in 16..256)")
+    require(preset.gqa_group <= MAX_M, f"GQA group {preset.gqa_group}: unsupported (> {MAX_M})")
+    if out is not None:
+        require(tuple(out.shape) == tuple(q.shape),
+                f"out: expected {tuple(q.shape)}, got {tuple(out.shape)}")
+        require_dtype(out, "out", (torch.bfloat16, torch.float16, torch.float32))
+        require_inner_contiguous(out, "out", 2)
+    for name, t in [("out", out), ("token_ids", token_ids), ("block_table", bt),
+                    ("context_lens", batch.context_lens), ("query_start", batch.query_start),
+                    *[(f"cache['{n}']", x) for n, x in planes]]:
+        if t is not None:
+            require(t.device == q.device, f"{name}: on {t.device}, q is on {q.device}")
+
+
+def _check_values(cache: dict[str, torch.Tensor], batch: PagedBatch,
+                  token_ids: torch.Tensor) -> None:
+    """Data-dependent checks (a device sync on a GPU): batch invariants, page table inside the
+    pool, and every selected id inside its request's context."""
+    try:
+        batch.validate(cache["k"].shape[0])
+    except BatchError as e:
+        raise KernelInputError(f"batch: {e}") from None
+    ctx = batch.context_lens[batch.row_request.long()].long()
+    ids = token_ids.long()
+    bad = (ids >= ctx[:, None]) | (ids < -1)
+    if bool(bad.any()):
+        r, c = (int(x) for x in bad.nonzero()[0])
+        raise KernelInputError(f"token_ids[{r}, {c}] = {int(ids[r, c])} is outside row {r}'s "
+                               f"request context of {int(ctx[r])} tokens")
+
+
+@lru_cache(maxsize=None)
+def _unit_count(device: torch.device) -> int:
+    """SMs (NVIDIA) or CUs (AMD) of the device; 1 without a GPU (the interpreter runs one
+    program at a time, so splitting never pays there)."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(units: int, width: int, block_n: int, unit_count: int,
+                  programs_per_sm: int, min_blocks: int) -> int:
+    """Splits of each (row, KV head) token list so that the grid fills, in one wave, the
+    `programs_per_sm` resident programs of every SM/CU (the config's occupancy estimate):
+    rounding down keeps equal-sized programs in a single wave instead of adding a short
+    second one. At least `min_blocks` token blocks per split (fewer would be all prologue),
+    at most MAX_SPLITS."""
+    slots = programs_per_sm * unit_count
+    if units <= 0 or units >= slots:
+        return 1
+    most = max(1, triton.cdiv(width, block_n) // max(1, min_blocks))
+    return max(1, min(slots // units, most, MAX_SPLITS))
+
+
+def _auto_splits(host: dict[str, int], units: int, width: int, block_n: int,
+                 device: torch.device) -> int:
+    """The config's NUM_SPLITS when > 0; else the SM/CU rule when the config carries its
+    occupancy estimate SPLIT_RESIDENT_PER_SM; else unsplit (the prefill tables carry neither:
+    their grids are large)."""
+    if host.get("NUM_SPLITS", 0) > 0:
+        return host["NUM_SPLITS"]
+    if "SPLIT_RESIDENT_PER_SM" not in host:
+        return 1
+    return choose_splits(units, width, block_n, _unit_count(device),
+                         host["SPLIT_RESIDENT_PER_SM"], host.get("SPLIT_MIN_BLOCKS", 1))
+
+
+def _plan(kernel: str, kv_format: str, rows: int, hkv: int, width: int, device: torch.device,
+          config: BlockConfig | None, num_splits: int | None
+          ) -> tuple[dict, dict[str, int], int, int]:
+    """Launch keywords, host-side config keys, splits and token blocks per split."""
+    _, kw = lookup(kernel, kv_format, rows, config)
+    host = {key: kw.pop(key) for key in _HOST_KEYS if key in kw}
+    block_n = kw.get("BLOCK_N", 0)
+    require(block_n >= 16 and block_n & (block_n - 1) == 0,
+            f"config: BLOCK_N {block_n} must be a power of two >= 16")
+    units = rows * hkv
+    if num_splits is None:
+        num_splits = _auto_splits(host, units, width, block_n, device)
+    require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
+            f"num_splits {num_splits}: must be an integer in 1..{MAX_SPLITS}")
+    require(units * num_splits < 2**31, f"{rows} rows x {hkv} KV heads x {num_splits} splits "
+                                        "exceed one launch grid")
+    # Whole token blocks per split, so no block straddles two programs.
+    split_blocks = triton.cdiv(triton.cdiv(width, block_n), num_splits)
+    return kw, host, triton.cdiv(width, split_blocks * block_n), split_blocks
+
+
+def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
+                device: torch.device | str, *, prefill: bool = False,
+                config: BlockConfig | None = None, num_splits: int | None = None) -> int:
+    """Programs per (row, KV head) a launch of this shape uses: what benchmarks record next to
+    a time, since the split rule depends on the device."""
+    kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
+    return _plan(kernel, kv_format, rows, preset.num_kv_heads, width, torch.device(device),
+                 config, num_splits)[2]
+
+
+def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
+            token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
+            out: torch.Tensor | None, config: BlockConfig | None, num_splits: int | None,
+            check: bool | None, kernel: str) -> torch.Tensor:
+    _check(q, cache, batch, token_ids, preset, kv_format, out)
+    if check is None:
+        check = q.device.type == "cpu"
+    if check:
+        _check_values(cache, batch, token_ids)
+    rows, hq, d = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if rows == 0:
+        return out
+    kc, vc = cache["k"], cache["v"]
+    fp8 = kv_format == "fp8"
+    ks, vs = (cache["k_scale"], cache["v_scale"]) if fp8 else (kc, vc)  # unread placeholders
+    hkv, g = preset.num_kv_heads, preset.gqa_group
+    width = token_ids.shape[1]
+    kw, host, num_splits, split_blocks = _plan(kernel, kv_format, rows, hkv, width, q.device,
+                                               config, num_splits)
+    units = rows * hkv
+    split = num_splits > 1
+    if split:
+        po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = lse = out  # unread placeholders
+    _sparse_gqa_kernel[(units * num_splits,)](
+        q, kc, vc, ks, vs, token_ids, batch.block_table, batch.context_lens, batch.query_start,
+        out, po, lse,
+        batch.batch, kc.shape[0], batch.block_table.shape[1], width, num_splits,
+        q.stride(0), q.stride(1), token_ids.stride(0), batch.block_table.stride(0),
+        kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
+        preset.softmax_scale * LOG2E,
+        HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(g)),
+        PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
+        BATCH_P2=max(64, triton.next_power_of_2(batch.batch)),  # one variant for batch <= 64
+        FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, **kw)
+    if split:
+        block_d = min(d, host.get("MERGE_BLOCK_D", d))
+        _merge_kernel[(rows * hq, d // block_d)](
+            po, lse, out, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=host.get("MERGE_WARPS", kw["num_warps"]))
+    return out
+
+
+def sparse_gqa_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
+                      token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
+                      out: torch.Tensor | None = None, config: BlockConfig | None = None,
+                      num_splits: int | None = None, check: bool | None = None
+                      ) -> torch.Tensor:
+    """Attention of each query row over its selected token ids; returns out [rows, Hq, D].
+
+    q [rows, Hq, D] bf16; cache 'k', 'v' [blocks, block_size, Hkv, D] bf16 or fp8 (the block dim
+    may have any stride), FP8 also 'k_scale', 'v_scale' [blocks, block_size, Hkv] fp32;
+    token_ids [rows, width] int32, -1 padded (any order). Rows with no valid id output zeros.
+    num_splits: split the token list across this many programs (None: the config's NUM_SPLITS,
+    else a rule from the SM/CU count). check: validate the batch, page table and every id
+    against its request's context (reads device data: a sync on a GPU, illegal in graph
+    capture). None checks on the CPU only. Unchecked, an id outside its context or a page
+    outside the pool is skipped by the kernel, never read.
+    """
+    return _launch(q, cache, batch, token_ids, preset, kv_format, out, config, num_splits,
+                   check, KERNEL_DECODE)
+
+
+def sparse_gqa_prefill(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
+                       token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
+                       out: torch.Tensor | None = None, config: BlockConfig | None = None,
+                       num_splits: int | None = None, check: bool | None = None
+                       ) -> torch.Tensor:
+    """Same contract as `sparse_gqa_decode`, for many rows: the prefill block config, and
+    unsplit unless `num_splits` (or the config's NUM_SPLITS) asks for splits."""
+    return _launch(q, cache, batch, token_ids, preset, kv_format, out, config, num_splits,
+                   check, KERNEL_PREFILL)
+
+
+def work(token_ids: torch.Tensor, batch: PagedBatch, preset: ModelPreset, kv_format: str
+         ) -> Work:
+    """Bytes: the unique K/V rows each request reads (codes of K and V, plus both FP32 scales
+    for FP8) for every KV head, q read, out written, the id lists read. FLOPs: QK and PV,
+    4 * D per (row, query head, valid id)."""
+    check_kv_format(kv_format)
+    hkv, hq, d = preset.num_kv_heads, preset.num_q_heads, preset.head_dim
+    per_token = hkv * (2 * d * (1 if kv_format == "fp8" else 2) + (8 if kv_format == "fp8" else 0))
+    ids = token_ids.long()
+    valid = ids >= 0
+    req = batch.row_request.long().to(ids.device)
+    # Unique (request, token) pairs: encode as request * stride + token over the valid ids.
+    stride = int(ids.max().item()) + 1 if bool(valid.any()) else 1
+    keys = (req[:, None] * stride + ids)[valid]
+    unique = int(torch.unique(keys).numel())
+    rows = token_ids.shape[0]
+    bytes_moved = (unique * per_token + 2 * rows * hq * d * 2
+                   + token_ids.numel() * token_ids.element_size())
+    flops = int(valid.sum().item()) * hq * d * 4
+    return Work(bytes_moved, flops)

@@ -1,0 +1,337 @@
+"""Sparse GQA decode and prefill kernels against the float32 reference
+(qsa.reference.attention.sparse_gqa_reference), on selections the reference index path makes.
+
+CPU (Triton interpreter): bf16 q and BF16 caches run as fp32 surrogates (tests/support.py), so a
+pass there means indexing, paging, masking, splitting and the online softmax are right; FP8
+caches run with their real E4M3 codes. The GPU tests repeat the checks with production dtypes at
+the model's shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+
+from qsa.cases import Case, CaseSpec, make_case, poison_
+from qsa.configs import BlockConfig
+from qsa.kernels.common import KernelInputError
+from qsa.kernels.sparse_gqa import (MAX_SPLITS, choose_splits, sparse_gqa_decode,
+                                    sparse_gqa_prefill, split_count, work)
+from qsa.paging import PagedBatch
+from qsa.presets import get_preset
+from qsa.reference.attention import gather_kv, sparse_gqa_reference
+from qsa.reference.score import score_reference
+from qsa.reference.topk import topk_expand_reference
+from tests.support import DEVICE, INTERPRETING, poisoned, surrogate, surrogate_cache
+
+# Decode-like batch: ragged contexts, a request of 3 tokens (rows with 2 and 3 ids), 1-4 rows.
+DECODE = ((70, 3, 130, 40), (4, 2, 1, 3))
+# Prefill-like batch: whole chunks of rows, dense (visible <= top-k) and sparse rows.
+PREFILL = ((56, 24), (40, 16))
+GROUPS = {12: (24, 2), 1: (2, 2)}  # GQA group -> (q heads, KV heads)
+
+
+def _preset(group: int, block_size: int, head_dim: int = 64, topk: int = 8):
+    hq, hkv = GROUPS[group]
+    return get_preset().replace(head_dim=head_dim, num_q_heads=hq, num_kv_heads=hkv,
+                                block_size=block_size, topk_groups=topk)
+
+
+@lru_cache(maxsize=None)
+def _case(kv_format: str, group: int, block_size: int, shape: tuple, seed: int = 1,
+          head_dim: int = 64, topk: int = 8) -> tuple[Case, torch.Tensor]:
+    """A case and the selections the reference index path makes on it (scores -> top-k)."""
+    p = _preset(group, block_size, head_dim, topk)
+    case = make_case(CaseSpec(p, shape[0], shape[1], kv_format=kv_format, seed=seed), DEVICE)
+    scores = score_reference(case.cache, case.batch, case.q_index, p, "bf16")
+    return case, topk_expand_reference(scores, case.batch, p)
+
+
+def _tol(ref: torch.Tensor) -> dict:
+    """CPU: fp32 surrogates in and out, so only the order of summation (and FP16 probabilities
+    for FP8 tiles, 2^-11) differ. GPU: P rounded to bf16 (fp16 for FP8 tiles) before PV and a
+    bf16 output, each about 2^-9 of the largest value per element."""
+    scale = float(ref.abs().max())
+    return dict(atol=2e-4 * scale, rtol=1e-4) if INTERPRETING else dict(atol=1e-2 * scale,
+                                                                        rtol=1e-2)
+
+
+# The interpreter's fp32 -> bf16 store truncates instead of rounding to nearest even, so on CPU
+# outputs are fp32 surrogates too (test_default_out_is_bf16 covers the bf16 store).
+OUT_DTYPE = torch.float32 if INTERPRETING else torch.bfloat16
+
+
+def _run(fn, case: Case, ids: torch.Tensor, kv_format: str, **kw) -> torch.Tensor:
+    out = poisoned(tuple(case.q.shape), OUT_DTYPE)
+    got = fn(surrogate(case.q), surrogate_cache(case.cache), case.batch, ids, case.preset,
+             kv_format, out=out, **kw)
+    assert got is out
+    assert not torch.isnan(out).any(), "an output element was not written"
+    return out.float()
+
+
+def _reference(case: Case, ids: torch.Tensor, kv_format: str) -> torch.Tensor:
+    return sparse_gqa_reference(case.q, case.cache, case.batch, ids, kv_format,
+                                case.preset.softmax_scale)
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("group", [12, 1])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_decode_matches_reference(kv_format: str, block_size: int, group: int,
+                                  splits: int) -> None:
+    case, ids = _case(kv_format, group, block_size, DECODE)
+    ids = ids.clone()
+    ids[5] = -1  # a row with no valid id outputs zeros
+    ref = _reference(case, ids, kv_format)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits)
+    torch.testing.assert_close(out, ref, **_tol(ref))
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize(("block_size", "group"), [(16, 12), (64, 12), (16, 1)])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) -> None:
+    case, ids = _case(kv_format, group, block_size, PREFILL)
+    ref = _reference(case, ids, kv_format)
+    torch.testing.assert_close(_run(sparse_gqa_prefill, case, ids, kv_format), ref,
+                               **_tol(ref))
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_order_strides_and_unchecked_ids(kv_format: str) -> None:
+    """Ids in any order, q, id and cache views with padded outer strides, and (unchecked) an id
+    past its request's context, which the kernel must skip rather than read."""
+    case, ids = _case(kv_format, 12, 16, DECODE)
+    g = torch.Generator().manual_seed(5)
+    shuffled = ids.clone()
+    for r in range(ids.shape[0]):
+        n = int((ids[r] >= 0).sum())
+        shuffled[r, :n] = ids[r, :n][torch.randperm(n, generator=g).to(ids.device)]
+    ref = _reference(case, ids, kv_format)
+    q_big = poison_(torch.empty((case.q.shape[0], case.q.shape[1] + 3, case.q.shape[2]),
+                                dtype=surrogate(case.q).dtype, device=DEVICE))
+    q = q_big[:, :case.q.shape[1]]
+    q.copy_(case.q)
+    cache = {}
+    for name, t in surrogate_cache(case.cache).items():
+        big = poison_(torch.empty((t.shape[0], t[0].numel() + 64), dtype=t.dtype, device=DEVICE))
+        cache[name] = big.narrow(1, 0, t[0].numel()).unflatten(1, t.shape[1:])
+        cache[name].copy_(t)
+    past = torch.full((ids.shape[0], ids.shape[1] + 5), -7, dtype=ids.dtype,
+                      device=DEVICE)[:, :ids.shape[1]]
+    past.copy_(shuffled)
+    r = int(((past < 0).any(1) & (past >= 0).any(1)).nonzero()[0])
+    free = int((past[r] < 0).nonzero()[0])
+    ctx = int(case.batch.context_lens[case.batch.row_request[r]])
+    past[r, free] = ctx + 1  # past the context, inside the pool
+    out = poisoned(tuple(case.q.shape), OUT_DTYPE)
+    assert q.stride(0) != q[0].numel() and past.stride(0) != past.shape[1]
+    sparse_gqa_decode(q, cache, case.batch, past, case.preset, kv_format, out=out,
+                      num_splits=2, check=False)
+    torch.testing.assert_close(out.float(), ref, **_tol(ref))
+
+
+@pytest.mark.interp_surrogate
+def test_fp8_error_against_bf16_is_bounded(capsys: pytest.CaptureFixture) -> None:
+    """FP8 attention vs BF16 attention on the same outlier-bearing K/V (qsa.cases).
+
+    Bound, per (row, head, dim), exact for the data at hand: with eps = the largest score change
+    the FP8 keys cause on the row's ids, every softmax weight moves by a factor within
+    e^(+-2 eps), so |o8 - o16| <= max_n |v8_n - v16_n| + (e^(2 eps) - 1) max_n |v16_n| (plus
+    the kernels' own rounding, a 2^-8 slack). The global relative error is reported, and held
+    under 2^-3 (one E4M3 step at any magnitude): above that the error would be systematic.
+    """
+    case16, ids = _case("bf16", 12, 16, DECODE, head_dim=256, topk=16)
+    case8, _ = _case("fp8", 12, 16, DECODE, head_dim=256, topk=16)
+    o16 = _run(sparse_gqa_decode, case16, ids, "bf16")
+    o8 = _run(sparse_gqa_decode, case8, ids, "fp8")
+    p = case16.preset
+    rr = case16.batch.row_request.tolist()
+    bound = torch.zeros_like(o16)
+    for r in range(ids.shape[0]):
+        tok = ids[r][ids[r] >= 0].long()
+        k16, v16 = gather_kv(case16.cache, case16.batch, rr[r], tok, "bf16")
+        k8, v8 = gather_kv(case8.cache, case8.batch, rr[r], tok, "fp8")
+        q = case16.q[r].float().view(p.num_kv_heads, p.gqa_group, p.head_dim)
+        s16 = torch.einsum("hgd,nhd->hgn", q, k16) * p.softmax_scale
+        s8 = torch.einsum("hgd,nhd->hgn", q, k8) * p.softmax_scale
+        eps = (s8 - s16).abs().amax(-1).flatten()  # [Hq]
+        dv = (v8 - v16).abs().amax(0).repeat_interleave(p.gqa_group, 0)  # [Hq, D]
+        vmax = v16.abs().amax(0).repeat_interleave(p.gqa_group, 0)
+        bound[r] = dv + torch.expm1(2 * eps)[:, None] * vmax + 2.0 ** -8 * vmax
+    err = (o8 - o16).abs()
+    rel = float((o8 - o16).norm() / o16.norm())
+    used = float((err / bound).max())
+    with capsys.disabled():
+        print(f"\nFP8 vs BF16 sparse GQA: relative error {rel:.4f} (Frobenius), "
+              f"max {used:.2f} of the first-order bound")
+    assert (err <= bound).all(), f"FP8 error exceeds the bound by {used:.2f}x"
+    assert rel <= 2.0 ** -3
+
+
+def test_choose_splits() -> None:
+    # Grids that fill the resident slots are not split; smaller ones split to fill one wave.
+    assert choose_splits(512, 2051, 32, 132, 2, 2) == 1
+    assert choose_splits(256, 2051, 32, 132, 2, 2) == 1
+    assert choose_splits(64, 2051, 32, 132, 2, 2) == 4
+    assert choose_splits(8, 2051, 32, 132, 8, 2) == 32
+    assert choose_splits(8, 2051, 64, 132, 8, 2) == 16  # 33 blocks, at least 2 per split
+    assert choose_splits(1, 10**6, 16, 1000, 8, 1) == MAX_SPLITS
+    assert choose_splits(4, 20, 16, 132, 2, 2) == 1  # too few blocks to split
+    # What a launch uses: whole blocks per split, so 3 requested splits of 3 blocks stay 3 and
+    # 4 requested become 3 (blocks of 16 over a width of 35).
+    p = _preset(12, 16)
+    assert split_count(10, p, 35, "bf16", DEVICE, num_splits=3) == 3
+    assert split_count(10, p, 35, "bf16", DEVICE, num_splits=4) == 3
+    assert split_count(10, p, 35, "fp8", DEVICE, prefill=True) == 1
+
+
+def test_work_counts_unique_rows() -> None:
+    case, ids = _case("fp8", 12, 16, DECODE)
+    p = case.preset
+    w = work(ids, case.batch, p, "fp8")
+    rr = case.batch.row_request
+    unique = sum(len(set(ids[rr == b][ids[rr == b] >= 0].tolist())) for b in range(4))
+    rows = ids.shape[0]
+    per_token = p.num_kv_heads * (2 * p.head_dim + 8)
+    assert w.bytes_moved == (unique * per_token + 4 * rows * p.num_q_heads * p.head_dim
+                             + ids.numel() * 4)
+    assert w.flops == int((ids >= 0).sum()) * p.num_q_heads * p.head_dim * 4
+    assert work(ids, case.batch, p, "bf16").bytes_moved > w.bytes_moved
+
+
+def test_errors() -> None:
+    case, ids = _case("fp8", 12, 16, DECODE)
+    q, cache, b, p = surrogate(case.q), surrogate_cache(case.cache), case.batch, case.preset
+
+    def call(**kw):
+        args = dict(q=q, cache=cache, batch=b, token_ids=ids, preset=p, kv_format="fp8")
+        args.update(kw)
+        return sparse_gqa_decode(**args)
+
+    with pytest.raises(KernelInputError, match="k_scale"):
+        call(cache={n: t for n, t in cache.items() if n != "k_scale"})
+    with pytest.raises(KernelInputError, match="dtype"):
+        call(kv_format="bf16")  # FP8 codes declared as a BF16 cache
+    with pytest.raises(KernelInputError, match="q: dtype"):
+        call(q=q.half())
+    with pytest.raises(KernelInputError, match="q: expected"):
+        call(q=q[:, :12])
+    with pytest.raises(KernelInputError, match="cache\\['k'\\]: expected"):
+        call(batch=PagedBatch(b.block_table, b.context_lens, b.query_start, b.positions, 32))
+    with pytest.raises(KernelInputError, match="token_ids: dtype"):
+        call(token_ids=ids.long())
+    with pytest.raises(KernelInputError, match="token_ids: expected"):
+        call(token_ids=ids[:-1])
+    with pytest.raises(KernelInputError, match="out: expected"):
+        call(out=torch.empty((1, 2, 3), device=DEVICE))
+    with pytest.raises(KernelInputError, match="num_splits"):
+        call(num_splits=MAX_SPLITS + 1)
+    with pytest.raises(KernelInputError, match="KV format"):
+        call(kv_format="int8")
+    with pytest.raises(KernelInputError, match="BLOCK_N"):
+        call(config=BlockConfig({"BLOCK_N": 24}))
+    past = ids.clone()
+    past[0, 0] = int(b.context_lens[0])
+    with pytest.raises(KernelInputError, match="outside row 0's request context"):
+        call(token_ids=past, check=True)
+    bt = b.block_table.clone()
+    bt[0, 0] = cache["k"].shape[0]
+    with pytest.raises(KernelInputError, match="outside the pool"):
+        call(batch=PagedBatch(bt, b.context_lens, b.query_start, b.positions, b.block_size),
+             check=True)
+    with pytest.raises(KernelInputError, match="GQA group"):
+        big = p.replace(num_q_heads=2 * 256, num_kv_heads=2)
+        call(preset=big, q=torch.empty((q.shape[0], 512, p.head_dim), device=DEVICE))
+
+
+def test_default_out_is_bf16() -> None:
+    case, ids = _case("bf16", 12, 16, DECODE)
+    ref = _reference(case, ids, "bf16")
+    out = sparse_gqa_prefill(surrogate(case.q), surrogate_cache(case.cache), case.batch, ids,
+                             case.preset, "bf16")
+    assert out.dtype == torch.bfloat16
+    # One bf16 step: the interpreter's store truncates (rounds to nearest on a GPU).
+    torch.testing.assert_close(out.float(), ref, atol=1e-3 * float(ref.abs().max()),
+                               rtol=2.0 ** -7)
+
+
+def test_empty_rows() -> None:
+    case, ids = _case("bf16", 12, 16, DECODE)
+    b = case.batch
+    empty = PagedBatch(b.block_table, b.context_lens, torch.zeros_like(b.query_start),
+                       b.positions[:0], b.block_size)
+    out = sparse_gqa_decode(surrogate(case.q)[:0], surrogate_cache(case.cache), empty, ids[:0],
+                            case.preset, "bf16")
+    assert out.shape == (0, *case.q.shape[1:])
+
+
+# --- GPU: production dtypes at the model's shapes ----------------------------------------------
+
+GPU_DECODE = ((5000, 1200, 3, 9000, 700), (4, 4, 2, 4, 1))
+GPU_PREFILL = ((4096,), (1024,))
+
+
+@lru_cache(maxsize=None)
+def _gpu_case(kv_format: str, preset_name: str, block_size: int, shape: tuple, seed: int = 11):
+    p = get_preset(preset_name).replace(block_size=block_size)
+    case = make_case(CaseSpec(p, shape[0], shape[1], kv_format=kv_format, seed=seed), DEVICE)
+    scores = score_reference(case.cache, case.batch, case.q_index, p, "bf16")
+    return case, topk_expand_reference(scores, case.batch, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 8])
+@pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode(kv_format: str, block_size: int, preset_name: str,
+                    splits: int | None) -> None:
+    case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
+    ids = ids.clone()
+    ids[-1] = -1
+    ref = _reference(case, ids, kv_format)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits)
+    torch.testing.assert_close(out, ref, **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode_group_one(kv_format: str) -> None:
+    p = get_preset().replace(num_q_heads=4, num_kv_heads=4)
+    case = make_case(CaseSpec(p, GPU_DECODE[0], GPU_DECODE[1], kv_format=kv_format, seed=3),
+                     DEVICE)
+    ids = topk_expand_reference(score_reference(case.cache, case.batch, case.q_index, p, "bf16"),
+                                case.batch, p)
+    ref = _reference(case, ids, kv_format)
+    for splits in (1, 4):
+        out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits)
+        torch.testing.assert_close(out, ref, **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_prefill(kv_format: str) -> None:
+    case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_PREFILL)
+    ref = _reference(case, ids, kv_format)
+    torch.testing.assert_close(_run(sparse_gqa_prefill, case, ids, kv_format), ref,
+                               **_tol(ref))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_error_against_bf16() -> None:
+    case16, ids = _gpu_case("bf16", "qwen3.8-flash-next", 64, GPU_DECODE)
+    case8, _ = _gpu_case("fp8", "qwen3.8-flash-next", 64, GPU_DECODE)
+    o16 = _run(sparse_gqa_decode, case16, ids, "bf16")
+    o8 = _run(sparse_gqa_decode, case8, ids, "fp8")
+    rel = float((o8 - o16).norm() / o16.norm())
+    print(f"\nFP8 vs BF16 sparse GQA on the GPU: relative error {rel:.4f}")
+    assert math.isfinite(rel) and rel <= 2.0 ** -3
