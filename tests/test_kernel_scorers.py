@@ -166,7 +166,8 @@ def dyadic_case(fmt: str):
     # MXFP4 keys are already dyadic (E2M1 values times powers of two).
     # Exact ties: two groups of the longest request get identical keys.
     b = case.batch
-    slot = b.slots(torch.tensor([3, 3]), torch.tensor([4, 40]))
+    dev = b.block_table.device
+    slot = b.slots(torch.tensor([3, 3], device=dev), torch.tensor([4, 40], device=dev))
     blk, off = slot // b.block_size, (slot % b.block_size) // 4
     for name in ("index_compressed", "index_compressed_scale"):
         if name in c:
