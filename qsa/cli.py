@@ -221,5 +221,43 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
     console.print(f"results and trace: {run.directory}")
 
 
+
+@app.command()
+def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/decode_scoring_cpu.yaml"),
+          out: Path = typer.Option(Path("profiles"), help="results root"),
+          jobs: Optional[int] = typer.Option(None, help="worker processes (default: one per GPU)"),
+          resume: bool = typer.Option(True, help="skip points already done with the same code")
+          ) -> None:
+    """Run a notebook sweep: one papermill process per point over the visible GPUs, resumable."""
+    from qsa.workbench.sweep import run_sweep
+
+    summary = run_sweep(spec, out, jobs=jobs, resume=resume)
+    console.print(str(summary))
+    raise typer.Exit(0 if summary.ok else 1)
+
+
+DEFAULT_SWEEPS = {True: Path("sweeps/decode_scoring_gpu.yaml"),
+                  False: Path("sweeps/decode_scoring_cpu.yaml")}
+
+
+@app.command()
+def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None:
+    """The main job: the default decode scoring sweep (row-wise vs stacked scorer) and its
+    design-review figures. Without a GPU, its CPU smoke version under the Triton interpreter:
+    a functional run whose times mean nothing."""
+    import torch
+
+    from qsa.workbench.sweep import run_sweep
+
+    gpu = torch.cuda.is_available()
+    spec = Path(__file__).resolve().parents[1] / DEFAULT_SWEEPS[gpu]
+    if not gpu:
+        console.print("[yellow]No GPU: running the CPU smoke sweep under the Triton interpreter. "
+                      "This is a functional run; its times mean nothing.[/]")
+    summary = run_sweep(spec, out)
+    console.print(str(summary))  # where the executed notebooks, results and figures are
+    raise typer.Exit(0 if summary.ok else 1)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,113 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Block-config tuning: one kernel, one shape, its config space
+#
+# Pick a kernel and a shape; the tuner (`qsa.workbench.tune`) derives the candidates from the
+# config table's current entry (every integer meta-parameter at half, same and double, with the
+# warps/stages the backend takes, AMD's `waves_per_eu` on HIP), verifies each against the
+# float32 reference and times the ones that pass. The heat map shows the best time over the
+# two knobs that vary most; the winner is boxed.
+#
+# **Keeping the winner:** set `write_winner = True` on a GPU. The tuner writes the fastest
+# verified config into `qsa/configs/tables/<kernel>.json` for this arch, format and shape
+# bucket, with provenance (device, date, versions, µs and the previous entry's µs). Interpreter
+# timings are never written.
+#
+# The CPU default tunes a tiny shape over a few candidates under the Triton interpreter: a
+# functional check, times mean nothing.
+
+# %% tags=["parameters"]
+op = "score_stacked"  # one of qsa.workbench.ops.OPS
+preset = "qwen3.8-flash-next"
+batch = None  # None: the profile's shape
+context = None
+rows = None
+index_format = "bf16"
+kv_format = "bf16"
+profile = "cpu-smoke"  # "cpu-smoke": tiny shape, few candidates; "gpu": a real decode shape
+max_candidates = None  # None: the profile's (cpu-smoke 4, gpu 48)
+write_winner = False  # True: store the winner in the config table (GPU only)
+samples = None  # timing samples per candidate; None: the timing module's default
+device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
+results_root = "profiles"
+figures_dir = None  # None: <run dir>/figures
+
+# %%
+import json
+
+from qsa.workbench import notebooks as wb
+
+dev = wb.prepare_runtime(device)
+from qsa.configs import table_path
+from qsa.measure.results import load_run, start_run
+from qsa.workbench import plots
+from qsa.workbench.ops import KERNEL_OF, OPS
+from qsa.workbench.tune import tune
+
+PROFILES = {
+    "cpu-smoke": {"batch": 1, "context": 512, "rows": 4, "max_candidates": 4, "samples": 1},
+    "gpu": {"batch": 16, "context": 65536, "rows": 4, "max_candidates": 48, "samples": None},
+}
+if op not in OPS:
+    raise ValueError(f"op {op!r} is not one of {OPS}")
+if write_winner and not dev.is_gpu:
+    raise ValueError("write_winner needs a GPU: interpreter times mean nothing")
+shape = {k: (v if v is not None else PROFILES[profile][k]) for k, v in
+         {"batch": batch, "context": context, "rows": rows}.items()}
+n_candidates = max_candidates or PROFILES[profile]["max_candidates"]
+samples = samples if samples is not None else PROFILES[profile]["samples"]
+wb.banner(dev)
+print(op, shape, f"index {index_format}, kv {kv_format}, up to {n_candidates} candidates")
+
+# %%
+df = tune(op, preset=preset, **shape, index_format=index_format, kv_format=kv_format,
+          device=None if dev.is_gpu else "cpu", max_candidates=n_candidates, samples=samples,
+          write=write_winner, progress=False)
+with start_run("config-tuning", root=results_root, device=dev,
+               extra={"notebook": "block_config_tuning", "op": op, "shape": shape,
+                      "write_winner": write_winner}) as run:
+    run.add_many(df.to_dict("records"))
+df, meta = load_run(run.directory)
+print("results:", run.directory)
+if write_winner:
+    print("winner written to", table_path(KERNEL_OF[op]))
+
+# %% [markdown]
+# ## Candidates
+# `status` is `ok` for verified, timed candidates; anything else names why a candidate was
+# skipped (compile error, out of resources, wrong result).
+
+# %%
+wide = plots.expand_config(df)
+knobs = [c for c in wide.columns if c not in df.columns]
+ok = wide[wide["status"] == "ok"].sort_values("us")
+print(f"{len(ok)} of {len(df)} candidates verified; current entry first in the table below")
+display(wide[["candidate", "is_current", "status", "us", *knobs]].round(3))
+if len(ok):
+    best = ok.iloc[0]
+    current = wide[wide["is_current"] & (wide["status"] == "ok")]
+    print("winner:", json.loads(best["config"]), f"{best['us']:.3f} µs")
+    if len(current):
+        print(f"current entry: {current['us'].iloc[0]:.3f} µs "
+              f"(winner speedup {current['us'].iloc[0] / best['us']:.3f}x)")
+
+# %% [markdown]
+# ## Heat map
+
+# %%
+out = wb.figures_dir(run.directory, figures_dir)
+figs = plots.figures_for(df, "config-tuning", out, [meta])
+wb.show(*figs)
+print(f"{sum(len(f.paths) for f in figs)} figure files in {out}")

@@ -1,0 +1,207 @@
+"""A/B comparison of two result sets, point by point, with a verdict that respects the noise.
+
+Typical uses: the same sweep with `QSA_STACKED_DECODE_SCORER=0` and `=1`, or at two commits.
+Points are matched on their shape columns; each matched pair gets a verdict with the timing
+module's rule (`qsa.measure.timing.same_within_noise`): B is "faster" or "slower" only when the
+medians differ by more than the larger relative IQR of the two measurements, else "same".
+Pairs that can not be compared honestly (different timing method or cache policy, an
+interpreter run, an unverified kernel) are "incomparable", never silently ranked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qsa.measure.timing import Timing, noise_floor, relative_difference
+
+DEFAULT_KEYS: tuple[str, ...] = ("op", "preset", "batch", "context", "rows", "index_format",
+                                 "kv_format")
+VERDICTS: tuple[str, ...] = ("faster", "slower", "same", "incomparable", "only_a", "only_b")
+_TIMING_COLS = ("us", "p10_us", "p90_us", "iqr_us", "n_samples", "method", "cache_policy",
+                "functional_only", "verified")
+
+
+def _timing(row: Mapping[str, Any]) -> Timing:
+    """The Timing a record summarizes; the noise rule reads only median, IQR, method, policy."""
+    return Timing(median_us=float(row["us"]), p10_us=float(row.get("p10_us", math.nan)),
+                  p90_us=float(row.get("p90_us", math.nan)),
+                  min_us=float(row.get("min_us", math.nan)), iqr_us=float(row["iqr_us"]),
+                  n_samples=int(row.get("n_samples", 0) or 0), samples_us=(),
+                  method=str(row.get("method", "")), cache_policy=str(row.get("cache_policy", "")),
+                  calls_per_sample=1, functional_only=bool(row.get("functional_only", False)))
+
+
+def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, float, float, str]:
+    """(verdict of B against A, relative difference, noise floor, reason) for two records."""
+    for side, rec in (("A", a), ("B", b)):
+        if _flag(rec.get("functional_only")):
+            return "incomparable", math.nan, math.nan, f"{side} is a functional (CPU) run"
+        if "verified" in rec and not _flag(rec.get("verified")):
+            return "incomparable", math.nan, math.nan, f"{side} failed verification"
+        if not (rec.get("us", math.nan) > 0) or _nan(rec.get("iqr_us")):
+            return "incomparable", math.nan, math.nan, f"{side} has no timing"
+    ta, tb = _timing(a), _timing(b)
+    try:
+        rel = relative_difference(ta, tb)
+    except ValueError as exc:  # different method or cache policy
+        return "incomparable", math.nan, math.nan, str(exc)
+    floor = noise_floor(ta, tb)
+    if rel <= floor:
+        return "same", rel, floor, ""
+    return ("faster" if tb.median_us < ta.median_us else "slower"), rel, floor, ""
+
+
+def _flag(v: Any) -> bool:
+    return False if v is None or _nan(v) else bool(v)
+
+
+def _nan(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Per-point table (keys, A and B timings, speedup = A µs / B µs, verdict) and its summary."""
+
+    table: pd.DataFrame
+    keys: tuple[str, ...]
+    label_a: str
+    label_b: str
+
+    @property
+    def counts(self) -> dict[str, int]:
+        vc = self.table["verdict"].value_counts()
+        return {v: int(vc.get(v, 0)) for v in VERDICTS}
+
+    @property
+    def geomean_speedup(self) -> float:
+        """Geometric mean of A/B over the comparable points (nan when there are none)."""
+        ok = self.table[self.table["verdict"].isin(("faster", "slower", "same"))]["speedup"]
+        return float(np.exp(np.log(ok).mean())) if len(ok) else math.nan
+
+    def summary(self) -> str:
+        c = self.counts
+        matched = c["faster"] + c["slower"] + c["same"] + c["incomparable"]
+        lines = [f"B = {self.label_b} against A = {self.label_a}, matched on "
+                 f"{', '.join(self.keys)}: {matched} points",
+                 f"  faster {c['faster']} · slower {c['slower']} · same within noise "
+                 f"{c['same']} · incomparable {c['incomparable']}",
+                 f"  only in A {c['only_a']} · only in B {c['only_b']}"]
+        if not math.isnan(self.geomean_speedup):
+            lines.append(f"  geometric-mean speedup A/B over comparable points: "
+                         f"{self.geomean_speedup:.3f}x")
+        reasons = self.table.loc[self.table["verdict"] == "incomparable", "reason"]
+        if len(reasons):
+            lines.append(f"  incomparable because: {reasons.value_counts().index[0]}"
+                         + (" (and others)" if reasons.nunique() > 1 else ""))
+        return "\n".join(lines)
+
+
+def _unique_points(df: pd.DataFrame, keys: Sequence[str], side: str) -> pd.DataFrame:
+    dup = df.duplicated(list(keys), keep=False)
+    if dup.any():
+        first = df.loc[dup, list(keys)].iloc[0].to_dict()
+        raise ValueError(f"result set {side} has {int(dup.sum())} rows sharing keys, e.g. "
+                         f"{first}; add the column that tells them apart to `keys`, or keep one "
+                         "run per point with latest_per_point()")
+    return df
+
+
+def compare(a: pd.DataFrame, b: pd.DataFrame, *, keys: Sequence[str] | None = None,
+            label_a: str = "A", label_b: str = "B") -> Comparison:
+    """Match A and B on `keys` (default: the DEFAULT_KEYS both have) and judge each pair."""
+    keys = tuple(keys) if keys is not None else tuple(k for k in DEFAULT_KEYS
+                                                       if k in a and k in b)
+    missing = [k for k in keys if k not in a or k not in b]
+    if not keys or missing:
+        raise KeyError(f"compare needs key columns present in both sets; missing {missing}")
+    cols = [c for c in _TIMING_COLS if c in a or c in b]
+    left = _unique_points(a, keys, label_a).reindex(columns=[*keys, *cols])
+    right = _unique_points(b, keys, label_b).reindex(columns=[*keys, *cols])
+    merged = left.merge(right, on=list(keys), how="outer", suffixes=("_a", "_b"),
+                        indicator=True)
+    rows = []
+    for rec in merged.to_dict("records"):
+        ra = {c: rec.get(f"{c}_a") for c in cols}
+        rb = {c: rec.get(f"{c}_b") for c in cols}
+        if rec["_merge"] == "left_only":
+            v, rel, floor, reason = "only_a", math.nan, math.nan, ""
+        elif rec["_merge"] == "right_only":
+            v, rel, floor, reason = "only_b", math.nan, math.nan, ""
+        else:
+            v, rel, floor, reason = verdict(ra, rb)
+        us_a, us_b = ra.get("us"), rb.get("us")
+        speedup = (us_a / us_b if not _nan(us_a) and not _nan(us_b) and us_b > 0 else math.nan)
+        rows.append({**{k: rec[k] for k in keys}, "us_a": us_a, "us_b": us_b,
+                     "iqr_us_a": ra.get("iqr_us"), "iqr_us_b": rb.get("iqr_us"),
+                     "speedup": speedup, "rel_diff": rel, "noise_floor": floor, "verdict": v,
+                     "reason": reason})
+    table = pd.DataFrame(rows, columns=[*keys, "us_a", "us_b", "iqr_us_a", "iqr_us_b",
+                                        "speedup", "rel_diff", "noise_floor", "verdict",
+                                        "reason"])
+    return Comparison(table, keys, label_a, label_b)
+
+
+def run_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any]) -> dict[str, Any]:
+    """What differs between two runs' run.json: env toggles, git commit, versions, device."""
+    out: dict[str, Any] = {}
+    env_a, env_b = meta_a.get("env") or {}, meta_b.get("env") or {}
+    env = {k: (env_a.get(k), env_b.get(k)) for k in sorted(set(env_a) | set(env_b))
+           if env_a.get(k) != env_b.get(k)}
+    if env:
+        out["env"] = env
+    for key in ("git", "versions"):
+        a, b = meta_a.get(key) or {}, meta_b.get(key) or {}
+        diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        if diff:
+            out[key] = diff
+    slug_a, slug_b = meta_a["device"]["slug"], meta_b["device"]["slug"]
+    if slug_a != slug_b:
+        out["device"] = (slug_a, slug_b)
+    return out
+
+
+def _run_label(meta: Mapping[str, Any], diff: Mapping[str, Any], side: int) -> str:
+    """A label naming what sets this run apart: its env toggles or commit, else its run id."""
+    parts = [f"{k}={v[side]}" for k, v in diff.get("env", {}).items()]
+    if "commit" in diff.get("git", {}):
+        commit = diff["git"]["commit"][side]
+        parts.append(f"commit {commit[:10] if commit else 'unknown'}")
+    return ", ".join(parts) or meta["run_id"]
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path, *,
+                 keys: Sequence[str] | None = None) -> tuple[Comparison, dict[str, Any]]:
+    """Compare two stored runs; also returns what differs between them (env, commit, ...)."""
+    from qsa.measure.results import load_run
+
+    (da, ma), (db, mb) = load_run(run_a), load_run(run_b)
+    diff = run_differences(ma, mb)
+    if "device" in diff:
+        raise ValueError(f"runs are from different devices {diff['device']}; an A/B needs one "
+                         "device")
+    return compare(da, db, keys=keys, label_a=_run_label(ma, diff, 0),
+                   label_b=_run_label(mb, diff, 1)), diff
+
+
+# Columns that also tell points apart when present: a forced split count, an FP8 flavour, and
+# the env toggles of the measured call.
+POINT_COLUMNS: tuple[str, ...] = ("split", "fp8_dtype", "env")
+
+
+def latest_per_point(df: pd.DataFrame, keys: Sequence[str] | None = None) -> pd.DataFrame:
+    """Keep, for each point, the rows of the newest run that measured it (run ids sort by
+    start time), so re-measured points do not appear twice in a figure or a comparison.
+    keys: what identifies a point; default DEFAULT_KEYS plus POINT_COLUMNS, where present."""
+    keys = [k for k in (keys or (*DEFAULT_KEYS, *POINT_COLUMNS)) if k in df]
+    if not keys or "run_id" not in df or df.empty:
+        return df
+    newest = df.groupby(keys, dropna=False)["run_id"].transform("max")
+    return df[df["run_id"] == newest].reset_index(drop=True)

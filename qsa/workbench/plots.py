@@ -1,0 +1,703 @@
+"""Design-review figures from tidy result tables, in one style, exported as PNG and SVG.
+
+Every function takes a DataFrame whose rows are measured points (the columns of
+`qsa.workbench.ops.measure` records, plus what a notebook adds) and returns the Figure and the
+paths it wrote. Figures are built on `matplotlib.figure.Figure` with no pyplot state, so a sweep
+or a notebook can make hundreds without leaking, and rendering is Agg (PNG) and the SVG backend
+whatever the interactive backend is. Every figure carries a caption with the device, versions
+and run, and runs without a GPU say in the title and caption that their times mean nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from qsa.workbench.notebooks import FUNCTIONAL_NOTE
+
+FORMATS = ("png", "svg")
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#7f7f7f", "#bcbd22")
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P")
+STYLE: dict[str, Any] = {
+    "font.size": 9, "axes.titlesize": 9.5, "axes.labelsize": 9, "figure.titlesize": 11,
+    "legend.fontsize": 7.5, "legend.frameon": False, "xtick.labelsize": 8, "ytick.labelsize": 8,
+    "axes.grid": True, "grid.alpha": 0.3, "grid.linewidth": 0.6, "axes.spines.top": False,
+    "axes.spines.right": False, "lines.linewidth": 1.6, "lines.markersize": 4,
+    "savefig.dpi": 110, "savefig.bbox": "tight",
+    # Text stays text in the SVG (reviewable, greppable), and ids are stable across runs so a
+    # regenerated figure only shows up in a diff when its content changed.
+    "svg.fonttype": "none", "svg.hashsalt": "qsa-workbench",
+}
+US = "latency (µs)"
+
+
+@dataclass(frozen=True)
+class FigureResult:
+    figure: Figure
+    paths: tuple[Path, ...]
+
+
+def styled(fn: Callable[..., FigureResult]) -> Callable[..., FigureResult]:
+    """Build the whole figure under STYLE: matplotlib reads rcParams when each artist is made."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> FigureResult:
+        with matplotlib.rc_context(STYLE):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# --- labels, captions, export ------------------------------------------------------------------
+
+
+def is_functional(df: pd.DataFrame) -> bool:
+    """True when the table holds times taken without a GPU (interpreter): they mean nothing.
+
+    Tables without times (capacity, numerical error, recall) are exact on any device.
+    """
+    if "functional_only" in df and df["functional_only"].fillna(False).astype(bool).any():
+        return True
+    return ("us" in df and "device" in df
+            and df["device"].astype(str).str.startswith("cpu").any())
+
+
+def caption_for(df: pd.DataFrame, metas: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Device, versions, commit, runs and timing method of the rows, from the table and run.json.
+
+    metas: the run.json dicts of the runs in `df` (as `load_run` returns them); without them
+    the caption says what the table itself knows.
+    """
+    parts: list[str] = []
+    devices = sorted({m["device"].get("name", m["device"].get("slug", "?")) for m in metas}
+                     or set(df.get("device", pd.Series(dtype=object)).dropna().astype(str)))
+    if devices:
+        parts.append("device " + ", ".join(devices))
+    versions = sorted({f"torch {m['versions'].get('torch')} · triton "
+                       f"{m['versions'].get('triton')}" for m in metas if m.get("versions")})
+    parts += versions
+    commits = sorted({_commit_label(m.get("git") or {}) for m in metas} - {""})
+    if commits:
+        parts.append("commit " + ", ".join(commits))
+    runs = sorted(set(df["run_id"].dropna().astype(str))) if "run_id" in df else []
+    if runs:
+        parts.append(f"run {runs[0]}" if len(runs) == 1 else f"{len(runs)} runs")
+    for col in ("method", "cache_policy"):
+        if col in df:
+            vals = sorted(set(df[col].dropna().astype(str)))
+            if vals:
+                parts.append("/".join(vals))
+    text = " · ".join(parts)
+    return f"{FUNCTIONAL_NOTE.upper()} · {text}" if is_functional(df) else text
+
+
+def _commit_label(git: Mapping[str, Any]) -> str:
+    commit = git.get("commit")
+    if not commit:
+        return ""
+    return commit[:10] + (" (dirty)" if git.get("dirty") else "")
+
+
+def save_figure(fig: Figure, out_dir: str | Path, name: str,
+                formats: Sequence[str] = FORMATS) -> tuple[Path, ...]:
+    """Write `<out_dir>/<name>.<fmt>` for each format; the SVG carries no date (stable diffs)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    with matplotlib.rc_context(STYLE):
+        for fmt in formats:
+            path = out / f"{name}.{fmt}"
+            meta = {"Date": None} if fmt == "svg" else {}
+            fig.savefig(path, format=fmt, metadata=meta)
+            paths.append(path)
+    return tuple(paths)
+
+
+def _new_figure(ncols: int = 1, nrows: int = 1, *, width: float | None = None,
+                height: float | None = None, sharey: bool = False
+                ) -> tuple[Figure, np.ndarray]:
+    width = width or min(4.2 * ncols + 1.2, 16)
+    height = height or 3.4 * nrows + 0.9
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, sharey=sharey, squeeze=False)
+
+
+def _finish(fig: Figure, df: pd.DataFrame, title: str, caption: str | None, out_dir: str | Path,
+            name: str) -> FigureResult:
+    """Title (marked when functional), caption under the axes, then export."""
+    functional = is_functional(df)
+    caption = caption_for(df) if caption is None else caption
+    if functional and FUNCTIONAL_NOTE.upper() not in caption.upper():
+        caption = f"{FUNCTIONAL_NOTE.upper()} · {caption}"
+    fig.suptitle(f"{title} [{FUNCTIONAL_NOTE}]" if functional else title)
+    # The caption lives below the axes: shrink the layout area to leave it room.
+    lines = max(1, math.ceil(len(caption) / (fig.get_figwidth() * 16)))
+    frac = min(0.3, (0.14 + 0.13 * lines) / fig.get_figheight())
+    fig.get_layout_engine().set(rect=(0, frac, 1, 1 - frac))
+    fig.text(0.01, frac * 0.35, caption, ha="left", va="center", fontsize=6.8,
+             color="#b22222" if functional else "0.3", wrap=True)
+    return FigureResult(fig, save_figure(fig, out_dir, name))
+
+
+def _num(v: float) -> str:
+    """Compact numbers for cells and ticks: 3.2, 412, 30.9k, 4.45M."""
+    if math.isnan(v):
+        return "—"
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    return f"{v:.3g}"
+
+
+def _num_axis(ax: Any, axis: str = "y") -> None:
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    if target.get_scale() == "log":  # 1-2-5 ticks read better than every minor tick labelled
+        target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    target.set_major_formatter(FuncFormatter(lambda v, _pos: _num(v)))
+    target.set_minor_formatter(NullFormatter())
+
+
+def _tokens(n: float) -> str:
+    n = int(n)
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}K"
+    return str(n)
+
+
+def _log2_axis(ax: Any, values: Sequence[float], axis: str = "x") -> None:
+    """Log-2 scale with ticks at the measured values, labelled 8K, 16K, ..."""
+    vals = sorted({float(v) for v in values if v and v > 0})
+    if not vals:
+        return
+    set_ticks = ax.set_xticks if axis == "x" else ax.set_yticks
+    if len(vals) > 1:  # one value: a linear axis with that one tick
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=2)
+    set_ticks(vals, [_tokens(v) for v in vals])
+    ax.minorticks_off()
+
+
+def _check_columns(df: pd.DataFrame, *cols: str | None) -> None:
+    missing = [c for c in cols if c is not None and c not in df]
+    if missing:
+        raise KeyError(f"table lacks column(s) {missing}; has {list(df.columns)}")
+    if df.empty:
+        raise ValueError("empty table: nothing to plot")
+
+
+def _values(df: pd.DataFrame, col: str | None) -> list[Any]:
+    return [None] if col is None else sorted(df[col].dropna().unique().tolist(), key=_sort_key)
+
+
+def _sort_key(v: Any) -> tuple[int, Any]:
+    return (0, v) if isinstance(v, (int, float, np.number)) else (1, str(v))
+
+
+def _select(df: pd.DataFrame, col: str | None, value: Any) -> pd.DataFrame:
+    return df if col is None else df[df[col] == value]
+
+
+def _label(col: str | None, value: Any) -> str:
+    if col is None:
+        return ""
+    return f"{col} {_tokens(value)}" if col == "context" else f"{col} {value}"
+
+
+# --- generic charts ----------------------------------------------------------------------------
+
+
+@styled
+def line_plot(df: pd.DataFrame, out_dir: str | Path, *, x: str, y: str, name: str, title: str,
+              xlabel: str, ylabel: str, series: str | None = None, style: str | None = None,
+              facet: str | None = None, band: tuple[str, str] | None = None,
+              logx: bool = True, logy: bool = False, caption: str | None = None
+              ) -> FigureResult:
+    """One line per (series, style) value pair, one panel per facet value.
+
+    Colour follows `series`, line style follows `style`; `band` (low, high) columns shade a
+    spread around each line (p10/p90 for latencies).
+    """
+    _check_columns(df, x, y, series, style, facet, *(band or ()))
+    facets, series_vals, style_vals = _values(df, facet), _values(df, series), _values(df, style)
+    fig, axes = _new_figure(len(facets), sharey=True)
+    for ax, fv in zip(axes[0], facets):
+        part = _select(df, facet, fv)
+        for i, sv in enumerate(series_vals):
+            for j, tv in enumerate(style_vals):
+                pts = _select(_select(part, series, sv), style, tv).sort_values(x)
+                pts = pts[pts[y].notna()]
+                if pts.empty:
+                    continue
+                label = ", ".join(s for s in (_label(series, sv), _label(style, tv)) if s)
+                ax.plot(pts[x], pts[y], color=PALETTE[i % len(PALETTE)],
+                        linestyle=LINESTYLES[j % len(LINESTYLES)],
+                        marker=MARKERS[j % len(MARKERS)], label=label or y)
+                if band is not None:
+                    ax.fill_between(pts[x], pts[band[0]], pts[band[1]], alpha=0.15,
+                                    color=PALETTE[i % len(PALETTE)], linewidth=0)
+        if logx:
+            _log2_axis(ax, part[x].tolist())
+        if logy:
+            ax.set_yscale("log")
+        _num_axis(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_title(_label(facet, fv))
+    axes[0][0].set_ylabel(ylabel)
+    _legend(fig, axes)
+    return _finish(fig, df, title, caption, out_dir, name)
+
+
+def _legend(fig: Figure, axes: np.ndarray) -> None:
+    """One legend for the figure (every panel has the same series), outside on the right."""
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside right center")
+
+
+@styled
+def grouped_bars(df: pd.DataFrame, out_dir: str | Path, *, x: str, y: str, name: str, title: str,
+                 ylabel: str, group: str | None = None, facet: str | None = None,
+                 caption: str | None = None, value_fmt: str = "{:.3g}") -> FigureResult:
+    """Bars of `y` per `x` value, side by side per `group` value, one panel per facet."""
+    _check_columns(df, x, y, group, facet)
+    facets, xs, groups = _values(df, facet), _values(df, x), _values(df, group)
+    width = 0.8 / len(groups)
+    fig, axes = _new_figure(len(facets), sharey=True)
+    for ax, fv in zip(axes[0], facets):
+        part = _select(df, facet, fv)
+        for g, gv in enumerate(groups):
+            sub = _select(part, group, gv).set_index(x)[y]
+            if sub.index.has_duplicates:
+                dup = sub.index[sub.index.duplicated()][0]
+                raise ValueError(f"{name}: several rows per {x}={dup} in one bar group; "
+                                 "filter the table first")
+            heights = [float(sub.get(xv, np.nan)) for xv in xs]
+            pos = np.arange(len(xs)) + (g - (len(groups) - 1) / 2) * width
+            bars = ax.bar(pos, heights, width, color=PALETTE[g % len(PALETTE)],
+                          label=_label(group, gv) or y)
+            ax.bar_label(bars, labels=["" if math.isnan(h) else value_fmt.format(h)
+                                       for h in heights], fontsize=6.5, padding=1)
+        ax.set_xticks(np.arange(len(xs)), [str(v) for v in xs])
+        ax.set_xlabel(x)
+        ax.set_title(_label(facet, fv))
+        _num_axis(ax)
+    axes[0][0].set_ylabel(ylabel)
+    if group is not None:
+        _legend(fig, axes)
+    return _finish(fig, df, title, caption, out_dir, name)
+
+
+# --- the design-review charts ------------------------------------------------------------------
+
+
+@styled
+def latency_vs_context(df: pd.DataFrame, out_dir: str | Path, *, name: str = "latency_vs_context",
+                       series: str | None = "batch", style: str | None = "op",
+                       facet: str | None = "index_format", title: str | None = None,
+                       caption: str | None = None) -> FigureResult:
+    """Median µs per call against context, one line per batch (and op), p10-p90 shaded."""
+    band = ("p10_us", "p90_us") if {"p10_us", "p90_us"} <= set(df.columns) else None
+    return line_plot(df, out_dir, x="context", y="us", name=name,
+                     title=title or "Latency per call vs context", xlabel="context (tokens)",
+                     ylabel=US, series=series, style=style, facet=facet, band=band, logy=True,
+                     caption=caption)
+
+
+@styled
+def speedup_heatmap(df: pd.DataFrame, out_dir: str | Path, *, variant: str = "op",
+                    baseline: Any = "score_rowwise", candidate: Any = "score_stacked",
+                    rows: str = "batch", cols: str = "context", facet: str | None = "index_format",
+                    name: str = "speedup", title: str | None = None,
+                    caption: str | None = None) -> FigureResult:
+    """Speedup baseline µs / candidate µs over rows x cols, one panel per facet value.
+
+    Cells are compared with the noise rule of `qsa.workbench.compare` (the timing module's):
+    a cell whose difference is within the measured spread is printed as "≈", so colour alone
+    never suggests a difference the measurement can not support.
+    """
+    from qsa.workbench.compare import compare
+
+    _check_columns(df, variant, rows, cols, facet, "us")
+    keys = [k for k in (facet, rows, cols) if k is not None]
+    a, b = df[df[variant] == baseline], df[df[variant] == candidate]
+    if a.empty or b.empty:
+        raise ValueError(f"speedup needs rows with {variant}={baseline!r} and {candidate!r}; "
+                         f"found {sorted(map(str, df[variant].unique()))}")
+    table = compare(a, b, keys=keys, label_a=str(baseline), label_b=str(candidate)).table
+    facets = _values(table, facet)
+    fig, axes = _new_figure(len(facets), height=3.9)
+    logs = np.log2(table["speedup"].replace([np.inf, -np.inf, 0], np.nan).dropna())
+    span = max(0.25, float(logs.abs().max()) if len(logs) else 1.0)  # symmetric around 1x
+    image = None
+    for ax, fv in zip(axes[0], facets):
+        part = _select(table, facet, fv)
+        grid = part.pivot(index=rows, columns=cols, values="speedup").sort_index(
+            key=lambda s: s.map(_sort_key)).sort_index(axis=1, key=lambda s: s.map(_sort_key))
+        verdict = part.pivot(index=rows, columns=cols, values="verdict").reindex_like(grid)
+        data = grid.to_numpy(dtype=float)
+        image = ax.imshow(np.log2(data), cmap="RdBu", vmin=-span, vmax=span, aspect="auto",
+                          origin="lower")
+        for (i, j), v in np.ndenumerate(data):
+            if not math.isnan(v):
+                mark = "≈" if verdict.iat[i, j] == "same" else ""
+                strong = abs(math.log2(v)) > 0.6 * span
+                ax.text(j, i, f"{mark}{v:.2f}x", ha="center", va="center", fontsize=7.5,
+                        color="white" if strong else "black")
+        ax.set_xticks(range(grid.shape[1]),
+                      [_tokens(c) if cols == "context" else str(c) for c in grid.columns])
+        ax.set_yticks(range(grid.shape[0]), [str(r) for r in grid.index])
+        ax.set_xlabel("context (tokens)" if cols == "context" else cols)
+        ax.set_ylabel(rows)
+        ax.set_title(_label(facet, fv))
+        ax.grid(False)
+    ticks = [t for t in range(-8, 9) if abs(t) <= span] or [0]
+    bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.85, ticks=ticks,
+                       label="speedup (log scale)")
+    bar.ax.set_yticklabels([f"{2.0 ** t:g}x" for t in ticks])
+    title = title or f"Speedup of {candidate} over {baseline}"
+    return _finish(fig, df, f"{title} (>1: {candidate} faster; ≈ within noise)", caption,
+                   out_dir, name)
+
+
+def _pct_column(df: pd.DataFrame, *names: str) -> str | None:
+    return next((n for n in names if n in df), None)
+
+
+@styled
+def roofline_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "context",
+                   series: str | None = "batch", facet: str | None = "op",
+                   name: str = "roofline", title: str | None = None,
+                   caption: str | None = None) -> FigureResult:
+    """Percent of the measured copy bandwidth (top) and matrix rate (bottom) per point.
+
+    Fractions are of *measured* ceilings (`qsa.measure.device.measure_ceilings`), so 100% is
+    "as fast as this device streams / multiplies in practice". Functional runs have no
+    ceilings: the panels say so instead of plotting interpreter times.
+    """
+    bw = _pct_column(df, "pct_copy_bw", "pct_bandwidth")
+    mx = _pct_column(df, "pct_matrix")
+    _check_columns(df, x, series, facet)
+    facets, series_vals = _values(df, facet), _values(df, series)
+    fig, axes = _new_figure(len(facets), 2, sharey=False)
+    panels = ((bw, "% of copy bandwidth"), (mx, "% of matrix rate"))
+    for col_i, fv in enumerate(facets):
+        part = _select(df, facet, fv)
+        for row_i, (col, ylabel) in enumerate(panels):
+            ax = axes[row_i][col_i]
+            vals = (pd.to_numeric(part[col], errors="coerce") if col is not None
+                    else pd.Series(np.nan, index=part.index))
+            if vals.notna().sum() == 0:
+                ax.text(0.5, 0.5, f"{ylabel}: none\n(functional run, or no measured "
+                        "ceilings)", ha="center", va="center", transform=ax.transAxes,
+                        fontsize=8, color="0.4")
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                for i, sv in enumerate(series_vals):
+                    sel = part if series is None else part[part[series] == sv]
+                    pts = pd.DataFrame({x: sel[x], "v": vals[sel.index]}).dropna().sort_values(x)
+                    if not pts.empty:
+                        ax.plot(pts[x], pts["v"], color=PALETTE[i % len(PALETTE)], marker="o",
+                                label=_label(series, sv) or ylabel)
+                ax.axhline(100, color="0.2", linewidth=0.8, linestyle="--")
+                ax.set_ylim(0, max(105.0, float(vals.max()) * 1.05))
+                if x == "context":
+                    _log2_axis(ax, part[x].tolist())
+            ax.set_xlabel("context (tokens)" if x == "context" else x)
+            ax.set_ylabel(ylabel)
+            if row_i == 0:
+                ax.set_title(_label(facet, fv))
+    _legend(fig, axes)
+    return _finish(fig, df, title or "Roofline: share of measured device limits", caption,
+                   out_dir, name)
+
+
+@styled
+def step_stacked_bars(df: pd.DataFrame, out_dir: str | Path, *,
+                      x: str | Sequence[str] = ("batch", "context"), stack: str = "kernel",
+                      y: str = "us_per_step", totals: pd.DataFrame | None = None,
+                      name: str = "step_breakdown", title: str | None = None,
+                      caption: str | None = None) -> FigureResult:
+    """µs per decode step, one bar per x value, stacked by `stack` (largest at the bottom);
+    beside it the same stacks as shares of the step, so small steps stay readable.
+
+    totals: optional rows with the x columns and `y` (e.g. the graph replay of the whole
+    step), drawn as a marker on each bar: the gap to the bar is launch overhead.
+    """
+    xcols = [x] if isinstance(x, str) else list(x)
+    _check_columns(df, *xcols, stack, y)
+
+    def labels(frame: pd.DataFrame) -> pd.Series:
+        return frame[xcols].apply(lambda r: " · ".join(_label(c, r[c]) for c in xcols), axis=1)
+
+    data = df.assign(_x=labels(df))
+    order_x = data.sort_values(xcols, key=lambda s: s.map(_sort_key))["_x"].unique().tolist()
+    by_size = data.groupby(stack)[y].sum().sort_values(ascending=False)
+    table = data.pivot_table(index="_x", columns=stack, values=y, aggfunc="sum").reindex(
+        index=order_x, columns=by_size.index).fillna(0.0)
+    fig, axes = _new_figure(2, width=max(8.0, 1.6 * len(order_x) + 5.5))
+    ax, share_ax = axes[0]
+    shares = table.div(table.sum(axis=1).replace(0.0, np.nan), axis=0) * 100
+    bottom, share_bottom = np.zeros(len(order_x)), np.zeros(len(order_x))
+    handles = []
+    for i, part in enumerate(table.columns):
+        h, sh = table[part].to_numpy(), shares[part].fillna(0.0).to_numpy()
+        color = PALETTE[i % len(PALETTE)]
+        handles.append(ax.bar(range(len(order_x)), h, 0.65, bottom=bottom, color=color,
+                              label=str(part)))
+        share_ax.bar(range(len(order_x)), sh, 0.65, bottom=share_bottom, color=color)
+        bottom += h
+        share_bottom += sh
+    handles.reverse()  # the legend reads top to bottom, like the stack
+    for i, total in enumerate(bottom):
+        ax.text(i, total, _num(total), ha="center", va="bottom", fontsize=7)
+    if totals is not None and not totals.empty:
+        at = totals.assign(_x=labels(totals)).set_index("_x")[y]
+        pos = [order_x.index(k) for k in at.index if k in order_x]
+        handles.append(ax.scatter(pos, [at[order_x[i]] for i in pos], marker="_", s=900,
+                                  color="black", linewidths=2, zorder=3,
+                                  label="graph replay of the whole step"))
+    for a in (ax, share_ax):
+        a.set_xticks(range(len(order_x)), order_x, rotation=20 if len(order_x) > 3 else 0)
+        a.set_xlabel(" x ".join(xcols))
+        _num_axis(a)
+    ax.set_ylabel("µs per decode step")
+    share_ax.set_ylabel("share of the step (%)")
+    share_ax.set_ylim(0, 100)
+    fig.legend(handles=handles, loc="outside right center")
+    return _finish(fig, df, title or "Per-step time by kernel", caption, out_dir, name)
+
+
+def expand_config(df: pd.DataFrame, column: str = "config") -> pd.DataFrame:
+    """The JSON config column as columns: each meta key, num_warps, num_stages, amd keys."""
+    def flat(text: Any) -> dict[str, Any]:
+        cfg = (json.loads(text) if isinstance(text, str) else text) or {}  # "null": default
+        out = dict(cfg.get("meta", {}))
+        out.update({k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg})
+        out.update({f"amd_{k}": v for k, v in (cfg.get("amd") or {}).items()})
+        return out
+
+    wide = pd.DataFrame([flat(v) for v in df[column]], index=df.index)
+    return df.join(wide.drop(columns=[c for c in wide if c in df]))
+
+
+@styled
+def config_heatmap(df: pd.DataFrame, out_dir: str | Path, *, rows: str | None = None,
+                   cols: str | None = None, value: str = "us", name: str = "config_heatmap",
+                   title: str | None = None, caption: str | None = None) -> FigureResult:
+    """Best `value` over the other config knobs for each (rows, cols) pair; the winner boxed.
+
+    rows/cols default to the two config knobs with the most distinct values. Configs that
+    failed verification are excluded (a wrong kernel's time is not a candidate).
+    """
+    wide = expand_config(df) if "config" in df else df.copy()
+    if "status" in wide:  # tuner tables: "ok" = verified and timed
+        wide = wide[wide["status"] == "ok"]
+    if "verified" in wide:
+        wide = wide[wide["verified"].fillna(False).astype(bool)]
+    knobs = [c for c in wide.columns if c not in df.columns]
+    ranked = sorted(knobs, key=lambda c: -wide[c].nunique())
+    rows = rows or (ranked[0] if ranked else None)
+    cols = cols or (next((c for c in ranked if c != rows), None))
+    if rows is None or cols is None:
+        raise ValueError(f"config_heatmap needs two config knobs; found {knobs}")
+    _check_columns(wide, rows, cols, value)
+    grid = wide.groupby([rows, cols])[value].min().unstack(cols)
+    fig, axes = _new_figure(width=max(5.0, 0.9 * grid.shape[1] + 3.0), height=4.2)
+    ax = axes[0][0]
+    data = grid.to_numpy(dtype=float)
+    image = ax.imshow(data, cmap="viridis_r", aspect="auto", origin="lower")
+    best = np.unravel_index(np.nanargmin(data), data.shape)
+    for (i, j), v in np.ndenumerate(data):
+        ax.text(j, i, _num(v), ha="center", va="center", fontsize=7.5,
+                color="0.3" if math.isnan(v) or (i, j) == best else "white")
+    ax.add_patch(Rectangle((best[1] - 0.5, best[0] - 0.5), 1, 1, fill=False, edgecolor="#d62728",
+                           linewidth=2.2))
+    ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
+    ax.set_yticks(range(grid.shape[0]), [str(r) for r in grid.index])
+    ax.set_xlabel(cols)
+    ax.set_ylabel(rows)
+    ax.grid(False)
+    what = "time (µs)" if value == "us" or value.endswith("_us") else value
+    bar = fig.colorbar(image, ax=ax, label=f"best {what} over the other knobs")
+    _num_axis(bar.ax)
+    best_label = f"{rows}={grid.index[best[0]]}, {cols}={grid.columns[best[1]]}"
+    return _finish(fig, df, f"{title or 'Config space'}: winner {best_label}", caption,
+                   out_dir, name)
+
+
+# --- recipes: which figures a run of each kind gets ---------------------------------------------
+
+Recipe = Callable[[pd.DataFrame, Path, str], list[FigureResult]]
+
+
+def _per(df: pd.DataFrame, col: str) -> list[tuple[str, str, pd.DataFrame]]:
+    """(name suffix, title label, part) per value of `col` when it varies, so each figure holds
+    one value; one whole-table entry when it does not."""
+    if col not in df or df[col].nunique(dropna=False) <= 1:
+        return [("", "", df)]
+    return [(f"_{col}{v}", f", {_label(col, v)}", df[df[col] == v]) for v in _values(df, col)]
+
+
+def _split(df: pd.DataFrame, *cols: str) -> list[tuple[str, str, pd.DataFrame]]:
+    """`_per` over several columns: one part per combination of the values that vary, so rows
+    of different presets, formats or shapes never share a line or a heat-map cell."""
+    parts = [("", "", df)]
+    for col in cols:
+        parts = [(s + s2, t + t2, p2) for s, t, p in parts for s2, t2, p2 in _per(p, col)]
+    return parts
+
+
+def _has_fractions(df: pd.DataFrame) -> bool:
+    """Roofline charts only where there are fractions: functional runs have none."""
+    cols = [c for c in ("pct_copy_bw", "pct_bandwidth", "pct_matrix") if c in df]
+    return any(pd.to_numeric(df[c], errors="coerce").notna().any() for c in cols)
+
+
+def _decode_scoring(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    figs = []
+    for sfx, label, part in _split(df, "preset", "kv_format", "rows"):
+        figs.append(latency_vs_context(part, out, name=f"latency{sfx}", caption=caption,
+                                       title=f"Decode scoring: latency per call{label}"))
+        if {"score_rowwise", "score_stacked"} <= set(part["op"]):
+            figs.append(speedup_heatmap(part, out, name=f"speedup{sfx}", caption=caption,
+                                        title=f"Decode scoring: stacked over row-wise{label}"))
+        for fsfx, flabel, fpart in _per(part, "index_format") if _has_fractions(part) else ():
+            figs.append(roofline_chart(fpart, out, name=f"roofline{sfx}{fsfx}", caption=caption,
+                                       title=f"Decode scoring roofline{label}{flabel}"))
+    return figs
+
+
+def _prefill(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    figs = []
+    for sfx, label, part in _split(df, "preset", "batch", "index_format", "kv_format"):
+        figs.append(latency_vs_context(part, out, name=f"latency{sfx}", series="rows",
+                                       style=None, facet="op", caption=caption,
+                                       title=f"Prefill: latency per call{label}"))
+        if _has_fractions(part):
+            figs.append(roofline_chart(part, out, name=f"roofline{sfx}", series="rows",
+                                       facet="op", caption=caption,
+                                       title=f"Prefill roofline{label}"))
+    return figs
+
+
+def _sparse_gqa_decode(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    figs = []
+    for sfx, label, part in _split(df, "preset", "rows", "index_format"):
+        figs.append(latency_vs_context(part, out, name=f"latency{sfx}", series="split",
+                                       style="kv_format", facet="batch", caption=caption,
+                                       title=f"Sparse GQA decode: latency per call{label}"))
+        if {"bf16", "fp8"} <= set(part["kv_format"]):
+            best = part.loc[part.groupby(["kv_format", "batch", "context"])["us"].idxmin()]
+            figs.append(speedup_heatmap(best, out, variant="kv_format", baseline="bf16",
+                                        candidate="fp8", facet=None, name=f"speedup_fp8{sfx}",
+                                        caption=caption, title="Sparse GQA decode: FP8 over "
+                                        f"BF16 tiles (best split each){label}"))
+        if _has_fractions(part):
+            figs.append(roofline_chart(part, out, name=f"roofline{sfx}", series="batch",
+                                       facet="kv_format", caption=caption,
+                                       title=f"Sparse GQA decode roofline{label}"))
+    return figs
+
+
+def _config_tuning(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """One heat map per tuned shape: the best over shapes would mean nothing."""
+    return [config_heatmap(part, out, name=f"config_heatmap{sfx}", caption=caption,
+                           title=f"Config space of {part['op'].iloc[0]}{label}")
+            for sfx, label, part in _split(df, "op", "preset", "batch", "context", "rows",
+                                           "index_format", "kv_format", "arch")]
+
+
+def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """Kernel rows stacked as `<kernel> (<phase>)`; the step rows (sum, graph replay) are
+    totals, not parts."""
+    figs = []
+    for sfx, label, part in _split(df, "preset", "index_format", "kv_format", "mtp"):
+        is_step = part["phase"] == "step" if "phase" in part else pd.Series(False, part.index)
+        calls = part[~is_step]
+        if "phase" in calls:
+            calls = calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")")
+        replay = part[is_step & (part["kernel"] == "graph replay")]
+        figs.append(step_stacked_bars(calls, out, stack="call" if "call" in calls else "kernel",
+                                      totals=replay, name=f"step_breakdown{sfx}",
+                                      caption=caption,
+                                      title=f"Per-step µs by kernel, {part['preset'].iloc[0]}"
+                                            f"{label}"))
+    return figs
+
+
+def _capacity(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    part = df[df["draft"] == "bf16"] if "draft" in df else df
+    return [grouped_bars(p, out, x="kv", y="tokens_per_gib", group="index", facet="preset",
+                         name=f"capacity{sfx}", caption=caption, ylabel="tokens per GiB of pool",
+                         title=f"KV pool capacity by cache format (BF16 draft layer "
+                               f"counted){label}", value_fmt="{:,.0f}")
+            for sfx, label, p in _split(part, "gib")]
+
+
+def _attention_error(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    return [line_plot(p, out, x="context", y="rel_err_mean", band=("rel_err_min", "rel_err_max"),
+                      series="fp8_dtype", name=f"attention_error{sfx}", caption=caption,
+                      xlabel="context (tokens)", ylabel="relative L2 error of the output",
+                      title=f"Sparse GQA output error: FP8 K/V vs BF16 K/V{label}")
+            for sfx, label, p in _split(df, "preset", "batch", "rows")]
+
+
+def _topk_recall(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    return [line_plot(p, out, x="context", y="recall_mean", band=("recall_min", "recall_max"),
+                      series="index_format", name=f"topk_recall{sfx}", caption=caption,
+                      xlabel="context (tokens)", ylabel="top-k recall vs BF16 keys",
+                      title=f"Top-k recall of quantized index keys{label}")
+            for sfx, label, p in _split(df, "preset", "batch", "rows", "topk_groups")]
+
+
+RECIPES: dict[str, Recipe] = {
+    "decode-scoring": _decode_scoring,
+    "prefill": _prefill,
+    "sparse-gqa-decode": _sparse_gqa_decode,
+    "config-tuning": _config_tuning,
+    "step-breakdown": _step_breakdown,
+    "formats-capacity": _capacity,
+    "formats-attention-error": _attention_error,
+    "formats-topk-recall": _topk_recall,
+}
+
+
+def figures_for(df: pd.DataFrame, kind: str, out_dir: str | Path,
+                metas: Sequence[Mapping[str, Any]] = ()) -> list[FigureResult]:
+    """Every figure the recipe of `kind` makes from `df`; an unknown kind makes none."""
+    recipe = RECIPES.get(kind)
+    if recipe is None or df.empty:
+        return []
+    return recipe(df, Path(out_dir), caption_for(df, metas))
+
+
+def figures_for_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Regenerate every figure of one stored run (default: `<run dir>/figures`)."""
+    from qsa.measure.results import load_run
+
+    df, meta = load_run(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "figures"
+    results = figures_for(df, meta["kind"], out, [meta])
+    return [p for r in results for p in r.paths]

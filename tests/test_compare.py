@@ -1,0 +1,129 @@
+"""A/B comparison: matching, the noise verdict (the timing module's rule), refusals, summary."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from qsa.measure.results import start_run
+from qsa.measure.timing import summarize_samples, same_within_noise
+from qsa.workbench import compare as cmp
+
+SHAPE = {"op": "score_stacked", "preset": "qwen3.8-flash-next", "rows": 4,
+         "index_format": "bf16", "kv_format": "bf16"}
+
+
+def rec(batch: int, context: int, us: float, iqr: float = 2.0, **kw) -> dict:
+    return {**SHAPE, "batch": batch, "context": context, "us": us, "p10_us": us - iqr,
+            "p90_us": us + iqr, "iqr_us": iqr, "n_samples": 100, "method": "graph_replay",
+            "cache_policy": "rotate_150MiB_x3", "functional_only": False, "verified": True,
+            **kw}
+
+
+def frame(*records: dict) -> pd.DataFrame:
+    return pd.DataFrame(list(records))
+
+
+def test_verdicts_faster_slower_same_and_unmatched() -> None:
+    a = frame(rec(1, 8192, 100.0), rec(2, 8192, 100.0), rec(4, 8192, 100.0),
+              rec(8, 8192, 100.0))
+    b = frame(rec(1, 8192, 80.0), rec(2, 8192, 101.0), rec(4, 8192, 130.0),
+              rec(16, 8192, 50.0))
+    c = cmp.compare(a, b, label_a="rowwise", label_b="stacked")
+    t = c.table.set_index("batch")
+    assert t.loc[1, "verdict"] == "faster"
+    assert t.loc[1, "speedup"] == pytest.approx(1.25)
+    assert t.loc[2, "verdict"] == "same"  # 1% apart, relative IQR 2%
+    assert t.loc[4, "verdict"] == "slower"
+    assert t.loc[8, "verdict"] == "only_a" and t.loc[16, "verdict"] == "only_b"
+    assert c.counts == {"faster": 1, "slower": 1, "same": 1, "incomparable": 0, "only_a": 1,
+                        "only_b": 1}
+    assert c.keys == ("op", "preset", "batch", "context", "rows", "index_format", "kv_format")
+    want = math.exp((math.log(1.25) + math.log(100 / 101) + math.log(100 / 130)) / 3)
+    assert c.geomean_speedup == pytest.approx(want)
+    text = c.summary()
+    assert "B = stacked against A = rowwise" in text
+    assert "faster 1 · slower 1 · same within noise 1" in text
+    assert "only in A 1 · only in B 1" in text
+
+
+def test_noise_floor_is_the_larger_relative_iqr() -> None:
+    # 10% apart: noise when either side's IQR is >= 10% of its median, a difference otherwise
+    wide = cmp.compare(frame(rec(1, 8192, 100.0, iqr=12.0)), frame(rec(1, 8192, 110.0, iqr=1.0)))
+    narrow = cmp.compare(frame(rec(1, 8192, 100.0, iqr=5.0)), frame(rec(1, 8192, 110.0, iqr=1.0)))
+    assert wide.table["verdict"].item() == "same"
+    assert wide.table["noise_floor"].item() == pytest.approx(0.12)
+    assert narrow.table["verdict"].item() == "slower"
+    assert narrow.table["rel_diff"].item() == pytest.approx(0.10)
+
+
+def test_verdict_agrees_with_the_timing_module_rule() -> None:
+    for a_samples, b_samples in (([10, 11, 12, 13, 14], [11, 12, 13, 14, 15]),
+                                 ([10, 10.1, 10.2, 10.3], [12, 12.1, 12.2, 12.3]),
+                                 ([5, 9, 13, 17], [6, 8, 10, 12])):
+        ta = summarize_samples(a_samples, method="m", cache_policy="c", calls_per_sample=1)
+        tb = summarize_samples(b_samples, method="m", cache_policy="c", calls_per_sample=1)
+        ra = {"us": ta.median_us, "iqr_us": ta.iqr_us, "method": "m", "cache_policy": "c"}
+        rb = {"us": tb.median_us, "iqr_us": tb.iqr_us, "method": "m", "cache_policy": "c"}
+        v, *_ = cmp.verdict(ra, rb)
+        assert (v == "same") == same_within_noise(ta, tb)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"method": "device_events"}, "taken differently"),
+    ({"functional_only": True}, "functional"),
+    ({"verified": False}, "failed verification"),
+])
+def test_pairs_that_can_not_be_ranked_are_incomparable(change: dict, reason: str) -> None:
+    c = cmp.compare(frame(rec(1, 8192, 100.0)), frame(rec(1, 8192, 50.0, **change)))
+    assert c.table["verdict"].item() == "incomparable"
+    assert reason in c.table["reason"].item()
+    assert math.isnan(c.geomean_speedup)
+    assert "incomparable because" in c.summary()
+
+
+def test_duplicate_points_and_missing_keys_are_refused() -> None:
+    a = frame(rec(1, 8192, 100.0), rec(1, 8192, 90.0))
+    with pytest.raises(ValueError, match="2 rows sharing keys"):
+        cmp.compare(a, frame(rec(1, 8192, 100.0)))
+    with pytest.raises(KeyError, match="missing"):
+        cmp.compare(frame(rec(1, 8192, 1.0)), frame(rec(1, 8192, 1.0)), keys=["batch", "nope"])
+
+
+def test_latest_per_point_keeps_the_newest_run_of_each_point() -> None:
+    old = [{**rec(1, 8192, 100.0), "run_id": "20250101-000000-x-aaaaaa", "split": s}
+           for s in (1, 2)]
+    new = [{**rec(1, 8192, 90.0), "run_id": "20250102-000000-x-bbbbbb", "split": s}
+           for s in (1, 2)]
+    other = [{**rec(2, 8192, 70.0), "run_id": "20250101-000000-x-aaaaaa", "split": 1}]
+    out = cmp.latest_per_point(frame(*old, *new, *other))
+    assert sorted(zip(out["batch"], out["us"], out["split"])) == [
+        (1, 90.0, 1), (1, 90.0, 2), (2, 70.0, 1)]
+
+
+class _Device:
+    slug = "nvidia-h200"
+    torch_version = "2.11.0"
+    triton_version = "3.6.0"
+
+    def as_record(self) -> dict:
+        return {"slug": self.slug, "name": "NVIDIA H200"}
+
+
+def test_compare_runs_names_the_env_toggle_that_differs(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    dirs = []
+    for flag, us in (("0", 100.0), ("1", 60.0)):
+        monkeypatch.setenv("QSA_STACKED_DECODE_SCORER", flag)
+        with start_run("decode-scoring", root=tmp_path, device=_Device()) as run:
+            run.add_many([rec(1, 8192, us), rec(8, 8192, us * 2)])
+        dirs.append(run.directory)
+    c, diff = cmp.compare_runs(*dirs)
+    assert diff["env"] == {"QSA_STACKED_DECODE_SCORER": ("0", "1")}
+    assert c.label_a == "QSA_STACKED_DECODE_SCORER=0"
+    assert c.label_b == "QSA_STACKED_DECODE_SCORER=1"
+    assert c.counts["faster"] == 2
+    assert c.geomean_speedup == pytest.approx(100 / 60)

@@ -1,0 +1,252 @@
+"""Figure export: files are written, and their content (axes, labels, series, annotations,
+captions) is what the table says - checked on the Figure and in the SVG text."""
+
+from __future__ import annotations
+
+import json
+from itertools import product
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Rectangle
+
+from qsa.measure.results import start_run
+from qsa.workbench import plots
+
+BATCHES = (1, 4, 16)
+CONTEXTS = (8192, 32768, 131072)
+FORMATS = ("bf16", "fp8")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def decode_table(functional: bool = False) -> pd.DataFrame:
+    """Decode-scoring records shaped like ops.measure's: stacked 2x faster except at batch 1."""
+    rows = []
+    for fmt, b, c, op in product(FORMATS, BATCHES, CONTEXTS, ("score_rowwise", "score_stacked")):
+        us = 2.0 + b * c / 4096 / (2 if fmt == "fp8" else 1)
+        if op == "score_stacked" and b > 1:
+            us /= 2
+        rows.append({"run_id": "20250101-000000-decode-scoring-abcdef",
+                     "device": "cpu-interpreter" if functional else "nvidia-h200",
+                     "kind": "decode-scoring", "op": op, "preset": "qwen3.8-flash-next",
+                     "batch": b, "context": c, "rows": 4, "index_format": fmt,
+                     "kv_format": "bf16", "us": us, "p10_us": us * 0.98, "p90_us": us * 1.02,
+                     "iqr_us": us * 0.02, "method": "graph_replay",
+                     "cache_policy": "rotate_150MiB_x3", "functional_only": functional,
+                     "verified": True,
+                     "pct_bandwidth": None if functional else min(95.0, 10 + b * c / 1e5),
+                     "pct_matrix": None if functional else 3.0})
+    return pd.DataFrame(rows)
+
+
+def check_files(result: plots.FigureResult, title: str) -> str:
+    """Both formats written and non-trivial; returns the SVG text after checking the title."""
+    png, svg = result.paths
+    assert png.suffix == ".png" and svg.suffix == ".svg"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "</svg>" in text
+    assert title in text  # text stays text (svg.fonttype none)
+    return text
+
+
+def data_axes(fig) -> list:
+    return [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+
+
+def test_latency_vs_context_draws_one_line_per_batch_and_op(tmp_path: Path) -> None:
+    df = decode_table()
+    res = plots.latency_vs_context(df, tmp_path, title="Decode latency")
+    svg = check_files(res, "Decode latency")
+    axes = data_axes(res.figure)
+    assert len(axes) == len(FORMATS)
+    for ax, fmt in zip(axes, FORMATS):
+        assert ax.get_title() == f"index_format {fmt}"
+        assert len(ax.get_lines()) == len(BATCHES) * 2
+        assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 6  # p10-p90
+        assert ax.get_xlabel() == "context (tokens)"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["8K", "32K", "128K"]
+        assert ax.get_yscale() == "log"
+        line = next(ln for ln in ax.get_lines() if ln.get_label() == "batch 4, op score_stacked")
+        want = df[(df.index_format == fmt) & (df.batch == 4) & (df.op == "score_stacked")]
+        assert list(line.get_ydata()) == pytest.approx(want.sort_values("context")["us"].tolist())
+    assert axes[0].get_ylabel() == "latency (µs)"
+    legend = res.figure.legends[0]
+    assert len(legend.get_texts()) == len(BATCHES) * 2
+    assert "device nvidia-h200" in svg and "graph_replay" in svg
+    assert "functional" not in svg.lower()
+
+
+def test_speedup_heatmap_cells_and_noise_marks(tmp_path: Path) -> None:
+    df = decode_table()
+    res = plots.speedup_heatmap(df, tmp_path, title="Stacked vs row-wise")
+    check_files(res, "Stacked vs row-wise")
+    axes = data_axes(res.figure)
+    assert len(axes) == len(FORMATS)
+    texts = [t.get_text() for t in axes[0].texts]
+    assert len(texts) == len(BATCHES) * len(CONTEXTS)
+    # batch 1: identical times -> within noise, marked; batch > 1: a clear 2x
+    assert texts.count("≈1.00x") == len(CONTEXTS)
+    assert texts.count("2.00x") == 2 * len(CONTEXTS)
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["1", "4", "16"]
+    assert axes[0].get_ylabel() == "batch" and axes[0].get_xlabel() == "context (tokens)"
+    assert len(res.figure.axes) == len(FORMATS) + 1  # plus the colorbar
+
+
+def test_speedup_heatmap_needs_both_variants(tmp_path: Path) -> None:
+    df = decode_table()
+    with pytest.raises(ValueError, match="score_stacked"):
+        plots.speedup_heatmap(df[df.op == "score_rowwise"], tmp_path)
+
+
+def test_roofline_chart_plots_fractions_per_series(tmp_path: Path) -> None:
+    df = decode_table()
+    df = df[df.index_format == "bf16"]
+    res = plots.roofline_chart(df, tmp_path, title="Roofline test")
+    check_files(res, "Roofline test")
+    axes = data_axes(res.figure)
+    assert len(axes) == 4  # (bandwidth, matrix) x two ops
+    bw, mx = axes[0], axes[2]
+    assert bw.get_ylabel() == "% of copy bandwidth" and mx.get_ylabel() == "% of matrix rate"
+    # one line per batch plus the 100% reference line
+    assert len(bw.get_lines()) == len(BATCHES) + 1
+    assert max(bw.get_lines()[-1].get_ydata()) == 100
+
+
+def test_functional_runs_say_so_and_plot_no_roofline(tmp_path: Path) -> None:
+    df = decode_table(functional=True)
+    res = plots.roofline_chart(df, tmp_path, name="roof")
+    svg = check_files(res, "functional run - times mean nothing")
+    assert "FUNCTIONAL RUN - TIMES MEAN NOTHING" in svg
+    ax = data_axes(res.figure)[0]
+    assert not ax.get_lines() and "none" in ax.texts[0].get_text()
+    lat = plots.latency_vs_context(df, tmp_path, name="lat")
+    assert "[functional run - times mean nothing]" in res.figure._suptitle.get_text()
+    assert "FUNCTIONAL RUN" in lat.paths[1].read_text()
+
+
+def test_step_stacked_bars_stack_each_kernel(tmp_path: Path) -> None:
+    kernels = {"score_stacked": 30.0, "sparse_gqa_decode": 50.0, "topk_expand": 20.0}
+    rows = [{"kernel": k, "us_per_step": v * b, "batch": b, "context": 32768,
+             "functional_only": False, "device": "nvidia-h200"}
+            for b in (1, 8) for k, v in kernels.items()]
+    replay = pd.DataFrame([{"batch": b, "context": 32768, "us_per_step": 90.0 * b}
+                           for b in (1, 8)])
+    res = plots.step_stacked_bars(pd.DataFrame(rows), tmp_path, totals=replay,
+                                  title="Step test")
+    check_files(res, "Step test")
+    ax = data_axes(res.figure)[0]
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(bars) == 2 * len(kernels)
+    assert [t.get_text() for t in ax.texts] == ["100", "800"]  # totals on top
+    assert bars[0].get_height() == 50.0  # the largest kernel at the bottom
+    assert ax.get_ylabel() == "µs per decode step"
+    labels = [t.get_text() for t in res.figure.legends[0].get_texts()]
+    assert labels == ["topk_expand", "score_stacked", "sparse_gqa_decode",  # top to bottom
+                      "graph replay of the whole step"]
+
+
+def tuning_table() -> pd.DataFrame:
+    rows = []
+    for i, (bn, warps) in enumerate(product((16, 32, 64), (2, 4, 8))):
+        cfg = {"meta": {"BLOCK_N": bn, "MAX_TILES": 8}, "num_warps": warps, "num_stages": 2,
+               "amd": {}}
+        ok = not (bn == 64 and warps == 2)
+        rows.append({"candidate": i, "is_current": i == 0, "config": json.dumps(cfg),
+                     "status": "ok" if ok else "OutOfResources",
+                     "us": 10.0 + abs(bn - 32) / 4 + warps if ok else float("nan"),
+                     "functional_only": False, "op": "score_stacked",
+                     "device": "nvidia-h200"})
+    return pd.DataFrame(rows)
+
+
+def test_config_heatmap_marks_the_winner(tmp_path: Path) -> None:
+    res = plots.config_heatmap(tuning_table(), tmp_path, title="Tuning test")
+    svg = check_files(res, "Tuning test")
+    ax = data_axes(res.figure)[0]
+    assert {ax.get_ylabel(), ax.get_xlabel()} == {"BLOCK_N", "num_warps"}
+    texts = [t.get_text() for t in ax.texts]
+    assert len(texts) == 9 and texts.count("—") == 1  # the failed candidate has no time
+    box = [p for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
+    assert len(box) == 1
+    assert "winner BLOCK_N=32, num_warps=2" in svg or "winner num_warps=2, BLOCK_N=32" in svg
+
+
+def test_expand_config_accepts_the_default_marker() -> None:
+    df = pd.DataFrame({"config": ["null", json.dumps({"meta": {"B": 1}, "num_warps": 4,
+                                                       "amd": {"kpack": 1}})]})
+    wide = plots.expand_config(df)
+    assert wide.loc[1, "B"] == 1 and wide.loc[1, "num_warps"] == 4
+    assert wide.loc[1, "amd_kpack"] == 1 and pd.isna(wide.loc[0, "B"])
+
+
+def test_grouped_bars_one_bar_per_group_and_x(tmp_path: Path) -> None:
+    df = pd.DataFrame([{"preset": p, "kv": kv, "index": ix, "tokens_per_gib": t}
+                       for p in ("a", "b") for kv in ("bf16", "fp8")
+                       for ix, t in (("bf16", 100.0), ("mxfp4", 120.0))])
+    res = plots.grouped_bars(df, tmp_path, x="kv", y="tokens_per_gib", group="index",
+                             facet="preset", name="cap", title="Capacity test",
+                             ylabel="tokens per GiB")
+    svg = check_files(res, "Capacity test")
+    axes = data_axes(res.figure)
+    assert len(axes) == 2
+    assert len([p for p in axes[0].patches if isinstance(p, Rectangle)]) == 4
+    assert "functional" not in svg.lower()  # no times in the table: exact on any device
+
+
+def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
+    class Device:
+        slug = "nvidia-h200"
+        torch_version = "2.11.0"
+        triton_version = "3.6.0"
+
+        def as_record(self) -> dict:
+            return {"slug": self.slug, "name": "NVIDIA H200"}
+
+    records = decode_table().drop(columns=["run_id", "device", "kind"]).to_dict("records")
+    with start_run("decode-scoring", root=tmp_path, device=Device()) as run:
+        run.add_many(records)
+    paths = plots.figures_for_run(run.directory)
+    names = sorted(p.name for p in paths)
+    assert names == sorted(f"{n}.{ext}" for n in ("latency", "speedup", "roofline_index_formatbf16",
+                                                   "roofline_index_formatfp8")
+                           for ext in ("png", "svg"))
+    assert all(p.parent == run.directory / "figures" for p in paths)
+    svg = (run.directory / "figures" / "latency.svg").read_text()
+    assert "NVIDIA H200" in svg and "torch 2.11.0" in svg and run.run_id in svg
+    assert plots.figures_for(pd.DataFrame(), "decode-scoring", tmp_path) == []
+    assert plots.figures_for(decode_table(), "unknown-kind", tmp_path) == []
+
+
+def test_figures_script_finds_runs_below_a_folder(tmp_path: Path) -> None:
+    import runpy
+
+    class Device:
+        slug = "nvidia-h200"
+        torch_version = triton_version = "x"
+
+        def as_record(self) -> dict:
+            return {"slug": self.slug, "name": "H200"}
+
+    with start_run("formats-attention-error", root=tmp_path, device=Device()) as run:
+        run.add_many([{"context": c, "fp8_dtype": "float8_e4m3fn", "rel_err_mean": 0.05,
+                       "rel_err_min": 0.04, "rel_err_max": 0.06} for c in (1024, 4096)])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "figures.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main([str(tmp_path)]) == 0
+    assert (run.directory / "figures" / "attention_error.svg").is_file()
+
+
+def test_recipes_never_mix_presets_in_one_figure(tmp_path: Path) -> None:
+    one = decode_table()
+    two = one.assign(preset="qwen3.8-flash-next-tp2", us=one["us"] / 2)
+    figs = plots.figures_for(pd.concat([one, two], ignore_index=True), "decode-scoring", tmp_path)
+    names = sorted(f.paths[0].stem for f in figs)
+    assert "latency_presetqwen3.8-flash-next" in names
+    assert "speedup_presetqwen3.8-flash-next-tp2" in names
+    assert len(figs) == 2 * (2 + len(FORMATS))  # latency, speedup and a roofline per format
+    lat = next(f for f in figs if f.paths[0].stem == "latency_presetqwen3.8-flash-next-tp2")
+    assert "preset qwen3.8-flash-next-tp2" in lat.figure._suptitle.get_text()
+    assert len(data_axes(lat.figure)[0].get_lines()) == len(BATCHES) * 2
