@@ -68,7 +68,10 @@ def fp8_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
     fmax = fp8_max(dtype)
     xf = x.float()
     _require_finite(xf, "fp8_quantize_rows")
-    scale = xf.abs().amax(dim=-1) / fmax
+    amax = xf.abs().amax(dim=-1)
+    # Divide by a tensor: torch on CUDA turns division by a Python scalar into a multiply by its
+    # rounded reciprocal, which differs from the IEEE quotient in about half of the scales.
+    scale = amax / torch.full_like(amax, fmax)
     zero = scale == 0
     scale = torch.where(zero, torch.ones_like(scale), scale)
     q = (xf / scale.unsqueeze(-1)).clamp(-fmax, fmax)

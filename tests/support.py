@@ -9,7 +9,10 @@ production dtypes.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -42,3 +45,27 @@ def tiny_preset():
 
     return get_preset(num_q_heads=4, num_kv_heads=2, head_dim=64, index_dim=64, rope_dims=32,
                       block_size=16, topk_groups=8, num_layers=8)
+
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx950", 64)):
+    for sig, consts, options in spec["variants"]:
+        triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+"""
+
+
+def compile_for_gpu_targets(module: str, kernel: str, variants: list) -> None:
+    """Compile a kernel for sm90 and gfx950 without a GPU (Triton ships ptxas and lld), in a
+    process without TRITON_INTERPRET: catches GPU-only type and shape errors the interpreter
+    lets through. variants: (signature, constexprs, options) triples."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    spec = json.dumps({"module": module, "kernel": kernel, "variants": variants})
+    res = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]

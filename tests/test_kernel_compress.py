@@ -20,10 +20,7 @@ Comparison rule (the same on CPU and GPU, except for the interpreter's FP8 cast)
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,7 +36,7 @@ from qsa.kernels.compress import (_fp8_encode, _mxfp4_encode, compress_index_key
 from qsa.paging import PagedBatch
 from qsa.presets import get_preset
 from qsa.reference.compress import completed_groups, compress_reference, rope_inv_freq
-from tests.support import DEVICE, INTERPRETING, surrogate_cache
+from support import DEVICE, INTERPRETING, compile_for_gpu_targets, surrogate_cache
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 DELTA = 2.0 ** -19
@@ -373,30 +370,6 @@ def test_errors() -> None:
         with pytest.raises(KernelInputError):
             fn()
             pytest.fail(f"no error for {what}")
-
-
-_COMPILE = """
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-spec = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx950", 64)):
-    for sig, consts, options in spec["variants"]:
-        triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
-"""
-
-
-def compile_for_gpu_targets(module: str, kernel: str, variants: list) -> None:
-    """Compile a kernel for sm90 and gfx950 without a GPU (Triton ships ptxas and lld), in a
-    process without TRITON_INTERPRET: catches GPU-only type and shape errors the interpreter
-    lets through. variants: (signature, constexprs, options) triples."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps({"module": module, "kernel": kernel, "variants": variants})
-    res = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
 
 
 def test_compress_compiles_for_gpu_targets() -> None:

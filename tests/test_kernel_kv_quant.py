@@ -1,5 +1,9 @@
 """K/V quantize-and-store kernel against the format reference (qsa.reference.kv).
 
+The reference runs on the CPU for every device: on CUDA, torch computes `amax / fp8_max` (a
+tensor divided by a Python scalar) as `amax * (1 / fp8_max)`, which differs from the spec's
+correctly rounded FP32 division in about half of the scales; on the CPU it divides.
+
 CPU (Triton interpreter): BF16 caches are checked as fp32 surrogates (tests/support.py), so
 exactly. FP8 scales are checked exactly; FP8 codes within one E4M3 step with a mismatch-fraction
 bound, because the interpreter's fp32 -> fp8 cast drops the rounding carry into the exponent
@@ -20,7 +24,7 @@ from qsa.kernels.kv_quant import store_kv, work
 from qsa.presets import get_preset
 from qsa.reference.kv import store_kv_reference
 from qsa.reference.pipeline import row_slots
-from tests.support import DEVICE, INTERPRETING, surrogate
+from support import DEVICE, INTERPRETING, surrogate
 
 # The interpreter gets ~2.5-3% of in-kernel fp32 -> fp8 casts wrong here (tooling notes 13.2);
 # a few hundred codes per tensor scatter that up to ~6%. A wrong scale would miss most codes.
@@ -62,7 +66,13 @@ def _setup(kv_format: str, block_size: int, fp8_dtype: torch.dtype = torch.float
         if name in case.cache:
             ref[name] = poison_(case.cache[name].clone())
     got = {name: _arena_view(surrogate(t)) for name, t in ref.items()}
-    return got, ref, slots, k, v
+    return got, {name: t.cpu() for name, t in ref.items()}, slots, k, v
+
+
+def _store_reference(ref: dict, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_format: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+    """The reference store into the CPU cache `ref` (see the module docstring for why CPU)."""
+    store_kv_reference(ref, slots.cpu(), k.cpu(), v.cpu(), kv_format, fp8_dtype)
 
 
 def _fp8_step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,12 +101,13 @@ def _compare_fp8_codes(got: torch.Tensor, ref: torch.Tensor, written: torch.Tens
 
 
 def _check_store(got: dict, ref: dict, slots: torch.Tensor, kv_format: str) -> None:
+    """Compares on the CPU, where `ref` lives: written slots by value, the rest still poison."""
     page = ref["k"].shape[1]
-    written = torch.zeros(ref["k"].shape[:2], dtype=torch.bool, device=slots.device)
-    keep = slots[slots >= 0]
+    written = torch.zeros(ref["k"].shape[:2], dtype=torch.bool)
+    keep = slots[slots >= 0].cpu()
     written[keep // page, keep % page] = True
     for name in ref:
-        g, r = got[name], ref[name]
+        g, r = got[name].cpu(), ref[name]
         # Untouched slots keep their poison, byte for byte.
         assert torch.equal(g[~written].float().isnan(), r[~written].float().isnan()), name
         if name.endswith("scale"):
@@ -113,7 +124,7 @@ def _check_store(got: dict, ref: dict, slots: torch.Tensor, kv_format: str) -> N
 def test_store_matches_reference(kv_format: str, block_size: int) -> None:
     got, ref, slots, k, v = _setup(kv_format, block_size)
     store_kv(got, slots, surrogate(k), surrogate(v), kv_format)
-    store_kv_reference(ref, slots, k, v, kv_format)
+    _store_reference(ref, slots, k, v, kv_format)
     _check_store(got, ref, slots, kv_format)
     if kv_format == "fp8":
         fmax = fp8_max(ref["k"].dtype)
@@ -126,7 +137,7 @@ def test_store_fp8_flavour_comes_from_cache(fp8_dtype: torch.dtype) -> None:
     """The fp8 max (448 or 240) is the cache tensor's, never assumed."""
     got, ref, slots, k, v = _setup("fp8", 16, fp8_dtype=fp8_dtype)
     store_kv(got, slots, surrogate(k), surrogate(v), "fp8")
-    store_kv_reference(ref, slots, k, v, "fp8", fp8_dtype)
+    _store_reference(ref, slots, k, v, "fp8", fp8_dtype)
     _check_store(got, ref, slots, "fp8")
 
 
@@ -134,7 +145,7 @@ def test_store_fp8_flavour_comes_from_cache(fp8_dtype: torch.dtype) -> None:
 def test_store_decode_sized_and_empty(kv_format: str) -> None:
     got, ref, slots, k, v = _setup(kv_format, 16, contexts=(9, 30), rows=(1, 3), seed=4)
     store_kv(got, slots, surrogate(k), surrogate(v), kv_format)
-    store_kv_reference(ref, slots, k, v, kv_format)
+    _store_reference(ref, slots, k, v, kv_format)
     _check_store(got, ref, slots, kv_format)
     before = {n: t.clone() for n, t in got.items()}
     store_kv(got, slots[:0], surrogate(k)[:0], surrogate(v)[:0], kv_format)
@@ -180,7 +191,7 @@ def test_store_unchecked_skips_slots_past_the_pool() -> None:
     store_kv(got, bad, surrogate(k), surrogate(v), "fp8", check=False)
     keep = bad.clone()
     keep[-1] = -1
-    store_kv_reference(ref, keep, k, v, "fp8")
+    _store_reference(ref, keep, k, v, "fp8")
     _check_store(got, ref, keep, "fp8")
 
 
@@ -203,5 +214,5 @@ def test_gpu_store_prefill_chunk_exact(kv_format: str, block_size: int) -> None:
     got, ref, slots, k, v = _setup(kv_format, block_size, contexts=(1500, 700, 33),
                                    rows=(1200, 700, 20), seed=7, head_dim=256)
     store_kv(got, slots, k, v, kv_format)
-    store_kv_reference(ref, slots, k, v, kv_format)
+    _store_reference(ref, slots, k, v, kv_format)
     _check_store(got, ref, slots, kv_format)

@@ -25,7 +25,7 @@ from qsa.kernels.score_stacked import _score_stacked_kernel, score_stacked
 from qsa.presets import get_preset
 from qsa.reference.score import score_reference, visible_groups
 from qsa.reference.topk import select_reference
-from tests.support import DEVICE, INTERPRETING, poisoned, surrogate
+from support import DEVICE, INTERPRETING, poisoned, surrogate
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 KERNELS = {"rowwise": score_rowwise, "stacked": score_stacked, "prefill": score_prefill}

@@ -25,7 +25,7 @@ from qsa.presets import get_preset
 from qsa.reference.attention import gather_kv, sparse_gqa_reference
 from qsa.reference.score import score_reference
 from qsa.reference.topk import topk_expand_reference
-from tests.support import DEVICE, INTERPRETING, poisoned, surrogate, surrogate_cache
+from support import DEVICE, INTERPRETING, poisoned, surrogate, surrogate_cache
 
 # Decode-like batch: ragged contexts, a request of 3 tokens (rows with 2 and 3 ids), 1-4 rows.
 DECODE = ((70, 3, 130, 40), (4, 2, 1, 3))
@@ -186,11 +186,17 @@ def test_choose_splits() -> None:
     assert choose_splits(8, 2051, 64, 132, 8, 2) == 16  # 33 blocks, at least 2 per split
     assert choose_splits(1, 10**6, 16, 1000, 8, 1) == MAX_SPLITS
     assert choose_splits(4, 20, 16, 132, 2, 2) == 1  # too few blocks to split
-    # What a launch uses: whole blocks per split, so 3 requested splits of 3 blocks stay 3 and
-    # 4 requested become 3 (blocks of 16 over a width of 35).
+    # What a launch uses: whole blocks per split, none empty, so a requested count is clamped
+    # to cdiv(blocks, cdiv(blocks, requested)). Blocks of 16 over a width of 35 are 3 blocks:
+    # 3 requested stay 3, 4 become 3, 2 stay 2. The block size is pinned by the config, since
+    # the tables' BLOCK_N differs per device (32 on sm90 would give 2 blocks, so 2 splits).
     p = _preset(12, 16)
-    assert split_count(10, p, 35, "bf16", DEVICE, num_splits=3) == 3
-    assert split_count(10, p, 35, "bf16", DEVICE, num_splits=4) == 3
+    n16 = BlockConfig({"BLOCK_N": 16})
+    assert split_count(10, p, 35, "bf16", DEVICE, config=n16, num_splits=3) == 3
+    assert split_count(10, p, 35, "bf16", DEVICE, config=n16, num_splits=4) == 3
+    assert split_count(10, p, 35, "bf16", DEVICE, config=n16, num_splits=2) == 2
+    assert split_count(10, p, 35, "bf16", DEVICE, config=BlockConfig({"BLOCK_N": 32}),
+                       num_splits=3) == 2
     assert split_count(10, p, 35, "fp8", DEVICE, prefill=True) == 1
 
 
@@ -250,7 +256,9 @@ def test_errors() -> None:
              check=True)
     with pytest.raises(KernelInputError, match="GQA group"):
         big = p.replace(num_q_heads=2 * 256, num_kv_heads=2)
-        call(preset=big, q=torch.empty((q.shape[0], 512, p.head_dim), device=DEVICE))
+        # q of the production dtype (bf16 on a GPU), so only the group size is wrong.
+        call(preset=big, q=torch.empty((q.shape[0], 512, p.head_dim), dtype=q.dtype,
+                                       device=DEVICE))
 
 
 def test_default_out_is_bf16() -> None:

@@ -17,8 +17,8 @@ from qsa.paging import PagedBatch
 from qsa.presets import get_preset
 from qsa.reference.score import score_reference, visible_groups
 from qsa.reference.topk import topk_expand_reference
-from tests.support import DEVICE
-from tests.test_kernel_compress import compile_for_gpu_targets
+from support import DEVICE
+from support import compile_for_gpu_targets
 
 POISON = -7  # not a token id and not the -1 pad
 

@@ -16,7 +16,7 @@ import pytest
 from qsa.measure.results import load_runs, start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench.sweep import load_sweep, run_sweep
-from tests.support import DEVICE
+from support import DEVICE
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_GPU = DEVICE != "cpu"

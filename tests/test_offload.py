@@ -17,8 +17,8 @@ from qsa.cases import CaseSpec, make_case
 from qsa.paging import PagedBatch
 from qsa.presets import get_preset
 from qsa.reference import score_reference, sparse_gqa_reference, topk_expand_reference
-from tests.support import DEVICE, surrogate, surrogate_cache
-from tests.test_arena import FORMAT_CASES, SMALL, expected_placement
+from support import DEVICE, surrogate, surrogate_cache
+from test_arena import FORMAT_CASES, SMALL, expected_placement
 
 QUANTIZED_CASES = [c for c in FORMAT_CASES if c != ("bf16", "bf16")]
 FP8_KV_CASES = [c for c in FORMAT_CASES if c[0] == "fp8"]

@@ -72,3 +72,13 @@ def require_inner_contiguous(t: torch.Tensor, name: str, dims: int) -> None:
                 f"{name}: inner dims must be contiguous, got strides {t.stride()} for shape "
                 f"{tuple(t.shape)}")
         expect *= t.shape[d]
+
+
+def data_checks_enabled() -> bool:
+    """Checks that read device data (page ids, positions) need a host sync. They run on eager
+    calls and are skipped while a CUDA graph is being captured, or everywhere with
+    QSA_KERNEL_DATA_CHECKS=0 (serving without graphs). The kernels still clamp or mask what those
+    checks guard, so a bad table writes nothing instead of scribbling over the arena."""
+    if os.environ.get("QSA_KERNEL_DATA_CHECKS", "1") == "0":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

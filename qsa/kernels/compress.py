@@ -24,7 +24,6 @@ PROGRAMS (the persistent grid; programs without work exit after the prefix sum).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -32,8 +31,8 @@ import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.formats import MX_GROUP, FormatError, check_index_format, fp8_max
-from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, lookup, require,
-                                require_dtype, require_inner_contiguous)
+from qsa.kernels.common import (KernelInputError, data_checks_enabled, interpreting, kernel_repr,
+                                lookup, require, require_dtype, require_inner_contiguous)
 from qsa.measure.roofline import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
@@ -189,16 +188,6 @@ def _bf16_storage() -> tuple[torch.dtype, ...]:
     """BF16 fields (raw keys, BF16 compressed keys); fp32 only as the interpreter's surrogate
     (tests/support.py): the kernel loads and converts, so it is dtype-generic."""
     return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
-
-
-def data_checks_enabled() -> bool:
-    """Checks that read device data (page ids, positions) need a host sync. They run on eager
-    calls and are skipped while a CUDA graph is being captured, or everywhere with
-    QSA_KERNEL_DATA_CHECKS=0 (serving without graphs). The kernels still clamp or mask what those
-    checks guard, so a bad table writes nothing instead of scribbling over the arena."""
-    if os.environ.get("QSA_KERNEL_DATA_CHECKS", "1") == "0":
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _check_format_tensors(cache: dict[str, torch.Tensor], preset: ModelPreset,

@@ -48,8 +48,8 @@ import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.formats import FP8_DTYPES, MX_GROUP, FormatError, check_index_format
-from qsa.kernels.common import (KernelInputError, interpreting, require, require_dtype,
-                                require_inner_contiguous)
+from qsa.kernels.common import (KernelInputError, data_checks_enabled, interpreting, require,
+                                require_dtype, require_inner_contiguous)
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
 
@@ -285,12 +285,6 @@ def batch_facts(batch: PagedBatch, num_blocks: int) -> BatchFacts:
         weakref.finalize(tensors[0], _FACTS.pop, key, None)
     _FACTS[key] = (weakref.ref(tensors[0]), sig, facts)
     return facts
-
-
-def data_checks_enabled() -> bool:
-    """Checks that read device data need a host sync: they run eagerly and are skipped while a
-    graph is captured (the kernels still mask pages outside the pool)."""
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _storage_dtypes() -> tuple[torch.dtype, ...]:

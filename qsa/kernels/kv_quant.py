@@ -36,8 +36,10 @@ def _store_rows(src_ptr, src_rows, dst_ptr, dst_rows, scale_ptr, scale_offs, ok,
     x = tl.load(src_ptr + src_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
     if FP8:
-        # Correctly rounded divisions (div.rn, not the approximate `/`): the codes and scales must
-        # equal the reference's bit for bit on hardware.
+        # Correctly rounded divisions (div.rn, not the approximate `/`): codes and scales equal
+        # the spec's FP32 `amax / fp8_max` and `x / scale` bit for bit. (torch on CUDA computes
+        # `tensor / python_scalar` as a multiply by the rounded reciprocal, so the reference is
+        # run on the CPU when checking this kernel.)
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX)
         # A zero row, or one whose scale underflows (amax < fp8_max * 2^-149): scale 1. Its
         # codes x / 1 are then below the smallest E4M3 subnormal and round to (signed) zero.

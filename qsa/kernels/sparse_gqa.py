@@ -341,7 +341,9 @@ def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
                 device: torch.device | str, *, prefill: bool = False,
                 config: BlockConfig | None = None, num_splits: int | None = None) -> int:
     """Programs per (row, KV head) a launch of this shape uses: what benchmarks record next to
-    a time, since the split rule depends on the device."""
+    a time, since the split rule depends on the device. A requested `num_splits` is clamped so
+    that every split gets whole token blocks and none is empty: with B = cdiv(width, BLOCK_N)
+    blocks, the launch uses cdiv(B, cdiv(B, num_splits)) splits (never more than B)."""
     kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
     return _plan(kernel, kv_format, rows, preset.num_kv_heads, width, torch.device(device),
                  config, num_splits)[2]
@@ -406,7 +408,8 @@ def sparse_gqa_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: Pa
     may have any stride), FP8 also 'k_scale', 'v_scale' [blocks, block_size, Hkv] fp32;
     token_ids [rows, width] int32, -1 padded (any order). Rows with no valid id output zeros.
     num_splits: split the token list across this many programs (None: the config's NUM_SPLITS,
-    else a rule from the SM/CU count). check: validate the batch, page table and every id
+    else a rule from the SM/CU count), clamped to whole, non-empty token blocks per split (see
+    `split_count`, which reports the count a launch uses). check: validate the batch, page table and every id
     against its request's context (reads device data: a sync on a GPU, illegal in graph
     capture). None checks on the CPU only. Unchecked, an id outside its context or a page
     outside the pool is skipped by the kernel, never read.
