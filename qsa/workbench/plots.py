@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,13 +96,20 @@ def caption_for(df: pd.DataFrame, metas: Sequence[Mapping[str, Any]] = ()) -> st
     runs = sorted(set(df["run_id"].dropna().astype(str))) if "run_id" in df else []
     if runs:
         parts.append(f"run {runs[0]}" if len(runs) == 1 else f"{len(runs)} runs")
-    for col in ("method", "cache_policy"):
-        if col in df:
-            vals = sorted(set(df[col].dropna().astype(str)))
-            if vals:
-                parts.append("/".join(vals))
+    if "method" in df:
+        parts += sorted(set(df["method"].dropna().astype(str)))
+    if "cache_policy" in df:
+        parts.append(_cache_label(set(df["cache_policy"].dropna().astype(str))))
     text = " · ".join(parts)
     return f"{FUNCTIONAL_NOTE.upper()} · {text}" if is_functional(df) else text
+
+
+def _cache_label(policies: set[str]) -> str:
+    """One phrase for the cache policies of a figure's points (each point has its own rotation
+    size, so listing them would make the caption longer than the figure)."""
+    if policies and all(p.startswith("rotate_") for p in policies):
+        return "cold cache (inputs rotated past the last-level cache)"
+    return "/".join(sorted(policies)) if len(policies) <= 2 else f"{len(policies)} cache policies"
 
 
 def _commit_label(git: Mapping[str, Any]) -> str:
@@ -144,11 +152,12 @@ def _finish(fig: Figure, df: pd.DataFrame, title: str, caption: str | None, out_
         caption = f"{FUNCTIONAL_NOTE.upper()} · {caption}"
     fig.suptitle(f"{title} [{FUNCTIONAL_NOTE}]" if functional else title)
     # The caption lives below the axes: shrink the layout area to leave it room.
-    lines = max(1, math.ceil(len(caption) / (fig.get_figwidth() * 16)))
+    caption = "\n".join(textwrap.wrap(caption, width=int(fig.get_figwidth() * 16)))
+    lines = caption.count("\n") + 1
     frac = min(0.3, (0.14 + 0.13 * lines) / fig.get_figheight())
     fig.get_layout_engine().set(rect=(0, frac, 1, 1 - frac))
     fig.text(0.01, frac * 0.35, caption, ha="left", va="center", fontsize=6.8,
-             color="#b22222" if functional else "0.3", wrap=True)
+             color="#b22222" if functional else "0.3")
     return FigureResult(fig, save_figure(fig, out_dir, name))
 
 

@@ -9,6 +9,7 @@ inside a `--selected-regions` window; the parent reads the rocpd database back.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +56,9 @@ def profile_point(point: Point, profiler: str, out_dir: Path, steps: int = 50
                                                  "--steps", str(steps)])
         subprocess.run(cmd, check=True)
         launches = read_rocprof_output(out_dir)
-    summary = summarize(launches)
-    summary.to_csv(out_dir / "kernels.csv", index=False)
-    return compare(rec, summary)
+    summarize(launches).to_csv(out_dir / "kernels.csv", index=False)  # per kernel and step
+    # One distribution per kernel over all captured steps for the comparison.
+    return compare(rec, summarize([dataclasses.replace(k, region=None) for k in launches]))
 
 
 def run_roctx_steps(point: Point, steps: int) -> None:
