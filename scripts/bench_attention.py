@@ -30,7 +30,6 @@ GPU (functional only).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import traceback
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from qsa.measure.results import write_rows
 from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields
 from qsa.cases import CaseSpec, activations, make_batch, make_case, poison_
 from qsa.configs import BlockConfig
@@ -140,17 +140,7 @@ class Bench:
                 r["bf16_us"] = twin["us"]
 
     def write(self, targets: dict[str, Any]) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "bench_attention.jsonl", "w") as f:
-            for r in self.rows:
-                f.write(json.dumps(r, default=str) + "\n")
-        keys: list[str] = []
-        for r in self.rows:
-            keys += [k for k in r if k not in keys and k != "samples_us"]
-        with open(self.out / "bench_attention.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(self.rows)
+        write_rows(self.out, "bench_attention", self.rows)
         with open(self.out / "bench_attention_targets.json", "w") as f:
             json.dump(targets, f, indent=1, default=str)
 

@@ -22,7 +22,6 @@ samples left out). Usage: python scripts/bench_topk_compress.py --out DIR [--qui
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import traceback
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qsa.measure.results import write_rows
 from qsa.cases import CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig
 from qsa.formats import INDEX_FORMATS, index_layout
@@ -97,17 +97,7 @@ class Bench:
                                            if us is not None else f"ERROR {error}"), flush=True)
 
     def write(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "bench_topk_compress.jsonl", "w") as f:
-            for r in self.rows:
-                f.write(json.dumps(r, default=str) + "\n")
-        keys: list[str] = []
-        for r in self.rows:
-            keys += [k for k in r if k not in keys and k != "samples_us"]
-        with open(self.out / "bench_topk_compress.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(self.rows)
+        write_rows(self.out, "bench_topk_compress", self.rows)
 
 
 def _config_name(cfg: BlockConfig | None, kernel: str, fmt: str, size: int) -> str:

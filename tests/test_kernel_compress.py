@@ -20,7 +20,6 @@ Comparison rule (the same on CPU and GPU, except for the interpreter's FP8 cast)
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

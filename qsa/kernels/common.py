@@ -82,3 +82,32 @@ def data_checks_enabled() -> bool:
     if os.environ.get("QSA_KERNEL_DATA_CHECKS", "1") == "0":
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def storage_dtypes() -> tuple[torch.dtype, ...]:
+    """BF16 storage; fp32 too under the interpreter, whose bf16 arithmetic is broken and whose
+    tests hand kernels fp32 copies (tests/support.py)."""
+    return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
+
+
+def kv_scale_planes(cache: dict[str, torch.Tensor], kv_format: str
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Check the K/V code planes and, for FP8, their FP32 scale planes [blocks, block, Hkv];
+    returns every plane the kernel reads or writes, by name, for the layout checks."""
+    from qsa.formats import FP8_DTYPES
+
+    kc = cache["k"]
+    planes = [("k", kc), ("v", cache["v"])]
+    if kv_format != "fp8":
+        require_dtype(kc, "cache['k']", storage_dtypes())
+        return planes
+    require_dtype(kc, "cache['k']", FP8_DTYPES)
+    for name in ("k_scale", "v_scale"):
+        require(name in cache, f"cache: an FP8 cache needs its '{name}' plane")
+        s = cache[name]
+        require(tuple(s.shape) == tuple(kc.shape[:3]),
+                f"cache['{name}']: expected {tuple(kc.shape[:3])}, got {tuple(s.shape)}")
+        require_dtype(s, f"cache['{name}']", (torch.float32,))
+        require(s.device == kc.device, f"cache['{name}']: on {s.device}, not {kc.device}")
+        planes.append((name, s))
+    return planes

@@ -49,7 +49,7 @@ import triton.language as tl
 from qsa.configs import BlockConfig
 from qsa.formats import FP8_DTYPES, MX_GROUP, FormatError, check_index_format
 from qsa.kernels.common import (KernelInputError, data_checks_enabled, interpreting, require,
-                                require_dtype, require_inner_contiguous)
+                                require_dtype, require_inner_contiguous, storage_dtypes)
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
 
@@ -287,11 +287,6 @@ def batch_facts(batch: PagedBatch, num_blocks: int) -> BatchFacts:
     return facts
 
 
-def _storage_dtypes() -> tuple[torch.dtype, ...]:
-    """BF16 tensors (q, BF16 keys); fp32 only as the interpreter's surrogate (tests/support.py)."""
-    return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
-
-
 def _check_keys(cache: dict[str, torch.Tensor], fmt: str, dim: int, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     require("index_compressed" in cache,
@@ -303,7 +298,7 @@ def _check_keys(cache: dict[str, torch.Tensor], fmt: str, dim: int, block_size: 
             f"index_compressed: shape {tuple(keys.shape)} is not [blocks, {gpb}, 1, {kdim}]")
     require_inner_contiguous(keys, "index_compressed", 3)
     if fmt == "bf16":
-        require_dtype(keys, "index_compressed", _storage_dtypes())
+        require_dtype(keys, "index_compressed", storage_dtypes())
         return keys, keys
     require("index_compressed_scale" in cache,
             f"cache: index format {fmt} needs field 'index_compressed_scale'")
@@ -365,7 +360,7 @@ def prepare_inputs(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: t
     require(scales.device == dev, f"index_compressed_scale: on {scales.device}, keys on {dev}")
     require(q_index.dim() == 3 and tuple(q_index.shape[1:]) == (h, d),
             f"q_index: shape {tuple(q_index.shape)} is not [rows, {h}, {d}]")
-    require_dtype(q_index, "q_index", _storage_dtypes())
+    require_dtype(q_index, "q_index", storage_dtypes())
     require_inner_contiguous(q_index, "q_index", 2)
     require(q_index.device == dev, f"q_index: on {q_index.device}, keys on {dev}")
     rows = q_index.shape[0]

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
-from qsa.formats import FP8_DTYPES, check_kv_format, fp8_max
-from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, lookup, require,
-                                require_dtype, require_inner_contiguous)
+from qsa.formats import check_kv_format, fp8_max
+from qsa.kernels.common import (KernelInputError, kernel_repr, kv_scale_planes,
+                                lookup, require, require_dtype, require_inner_contiguous)
 from qsa.measure.roofline import Work
 from qsa.presets import ModelPreset
 
@@ -78,12 +78,6 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                 vs_ptr, blk * stride_vsb + sc, ok, D, FP8, FP8_MAX)
 
 
-def _float_dtypes() -> tuple[torch.dtype, ...]:
-    """BF16 storage; fp32 too under the interpreter, whose bf16 arithmetic is broken and whose
-    tests hand kernels fp32 copies (tests/support.py)."""
-    return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
-
-
 def _check(cache: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_format: str) -> None:
     try:
@@ -112,19 +106,7 @@ def _check(cache: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
             f"slots: expected [{k.shape[0]}], got {tuple(slots.shape)}")
     require_dtype(slots, "slots", (torch.int32, torch.int64))
     require(slots.device == kc.device, f"slots: on {slots.device}, the cache is on {kc.device}")
-    planes = [("k", kc), ("v", vc)]
-    if kv_format == "fp8":
-        require_dtype(kc, "cache['k']", FP8_DTYPES)
-        for name in ("k_scale", "v_scale"):
-            require(name in cache, f"cache: an FP8 cache needs its '{name}' plane")
-            s = cache[name]
-            require(tuple(s.shape) == tuple(kc.shape[:3]),
-                    f"cache['{name}']: expected {tuple(kc.shape[:3])}, got {tuple(s.shape)}")
-            require_dtype(s, f"cache['{name}']", (torch.float32,))
-            require(s.device == kc.device, f"cache['{name}']: on {s.device}, not {kc.device}")
-            planes.append((name, s))
-    else:
-        require_dtype(kc, "cache['k']", _float_dtypes())
+    planes = kv_scale_planes(cache, kv_format)
     for name, t in planes:
         require_inner_contiguous(t, f"cache['{name}']", t.dim() - 1)
 

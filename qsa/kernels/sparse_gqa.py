@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
-from qsa.formats import FP8_DTYPES, check_kv_format
-from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, lookup, require,
-                                require_dtype, require_inner_contiguous)
+from qsa.formats import check_kv_format
+from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, kv_scale_planes,
+                                lookup, require, require_dtype, require_inner_contiguous,
+                                storage_dtypes)
 from qsa.measure.roofline import Work
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
@@ -185,12 +186,6 @@ def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
 # Host side
 # --------------------------------------------------------------------------------------------
 
-def _float_dtypes() -> tuple[torch.dtype, ...]:
-    """BF16 storage; fp32 too under the interpreter, whose bf16 arithmetic is broken and whose
-    tests hand kernels fp32 copies (tests/support.py)."""
-    return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
-
-
 def _check(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
            token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
            out: torch.Tensor | None) -> None:
@@ -205,7 +200,7 @@ def _check(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     hq, hkv, d = preset.num_q_heads, preset.num_kv_heads, preset.head_dim
     require(q.dim() == 3 and tuple(q.shape[1:]) == (hq, d),
             f"q: expected [rows, {hq}, {d}] for preset {preset.name}, got {tuple(q.shape)}")
-    require_dtype(q, "q", _float_dtypes())
+    require_dtype(q, "q", storage_dtypes())
     require_inner_contiguous(q, "q", 2)
     rows = q.shape[0]
     shape = (batch.block_size, hkv, d)
@@ -216,17 +211,8 @@ def _check(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
                                   f"cache['k'] {tuple(kc.shape)}")
     require(vc.dtype == kc.dtype, f"cache['v']: dtype {vc.dtype} differs from cache['k'] "
                                   f"{kc.dtype}")
-    planes = [("k", kc), ("v", vc)]
-    if kv_format == "fp8":
-        require_dtype(kc, "cache['k']", FP8_DTYPES)
-        for name in ("k_scale", "v_scale"):
-            require(name in cache, f"cache: an FP8 cache needs its '{name}' plane")
-            s = cache[name]
-            require(tuple(s.shape) == tuple(kc.shape[:3]),
-                    f"cache['{name}']: expected {tuple(kc.shape[:3])}, got {tuple(s.shape)}")
-            require_dtype(s, f"cache['{name}']", (torch.float32,))
-            planes.append((name, s))
-    else:
+    planes = kv_scale_planes(cache, kv_format)
+    if kv_format != "fp8":
         require(kc.dtype == q.dtype, f"cache['k']: dtype {kc.dtype} does not match q "
                                      f"{q.dtype} for a BF16 cache")
     for name, t in planes:

@@ -9,6 +9,7 @@ mid-write never leaves a half-written file where a good one was (temp file, fsyn
 from __future__ import annotations
 
 import contextlib
+import csv
 import datetime as dt
 import io
 import json
@@ -232,3 +233,21 @@ def load_runs(root: str | Path = "profiles", kind: str | None = None,
     if not frames:
         return pd.DataFrame(columns=list(RUN_COLUMNS))
     return pd.concat(frames, ignore_index=True)
+
+
+def write_rows(out_dir: str | Path, stem: str, rows: Iterable[Mapping[str, Any]]) -> None:
+    """A benchmark script's side files: `<stem>.jsonl` (every field, raw samples included) and
+    `<stem>.csv` (the same rows without the raw samples, columns in first-seen order)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(rows)
+    atomic_write_bytes(out / f"{stem}.jsonl",
+                       "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys and k != "samples_us"]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_bytes(out / f"{stem}.csv", buf.getvalue().encode())
