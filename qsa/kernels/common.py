@@ -111,3 +111,35 @@ def kv_scale_planes(cache: dict[str, torch.Tensor], kv_format: str
         require(s.device == kc.device, f"cache['{name}']: on {s.device}, not {kc.device}")
         planes.append((name, s))
     return planes
+
+
+def check_index_planes(cache: dict[str, torch.Tensor], fmt: str, dim: int, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`index_compressed` and its scale plane (None for BF16), checked against the storage
+    layout of `fmt` (`qsa.formats.index_layout`, which the arena declares its fields from), so
+    no kernel keeps a list of its own of what these planes look like."""
+    from qsa.formats import FP8_DTYPES, index_layout
+
+    require("index_compressed" in cache,
+            f"cache: missing field 'index_compressed' (has {', '.join(cache)})")
+    keys = cache["index_compressed"]
+    lay = index_layout(fmt, dim, keys.dtype if keys.dtype in FP8_DTYPES else FP8_DTYPES[0])
+    gpb = block_size // 4
+    want = (gpb, 1, *lay.code_shape)
+    require(keys.dim() == 4 and tuple(keys.shape[1:]) == want,
+            f"index_compressed: shape {tuple(keys.shape)} is not [blocks, "
+            f"{', '.join(map(str, want))}]")
+    require_inner_contiguous(keys, "index_compressed", 3)
+    codes = {"bf16": storage_dtypes(), "fp8": FP8_DTYPES}.get(fmt, (lay.code_dtype,))
+    require_dtype(keys, "index_compressed", codes)
+    if lay.scale_dtype is None:
+        return keys, None
+    require("index_compressed_scale" in cache,
+            f"cache: index format {fmt} needs field 'index_compressed_scale'")
+    scales = cache["index_compressed_scale"]
+    want = (keys.shape[0], gpb, 1, *lay.scale_shape)
+    require(tuple(scales.shape) == want, f"index_compressed_scale: shape "
+            f"{tuple(scales.shape)} is not [{', '.join(map(str, want))}]")
+    require_dtype(scales, "index_compressed_scale", (lay.scale_dtype,))
+    require_inner_contiguous(scales, "index_compressed_scale", scales.dim() - 1)
+    return keys, scales

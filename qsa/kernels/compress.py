@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
-from qsa.formats import MX_GROUP, FormatError, check_index_format, fp8_max
-from qsa.kernels.common import (KernelInputError, data_checks_enabled, interpreting, kernel_repr,
-                                lookup, require, require_dtype, require_inner_contiguous)
+from qsa.formats import FP8_DTYPES, FormatError, check_index_format, fp8_max, index_layout
+from qsa.kernels.common import (KernelInputError, check_index_planes, data_checks_enabled,
+                                interpreting, kernel_repr, lookup, require, require_dtype,
+                                require_inner_contiguous)
 from qsa.measure.roofline import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
@@ -202,35 +203,10 @@ def _check_format_tensors(cache: dict[str, torch.Tensor], preset: ModelPreset,
             f"index_raw: shape {tuple(raw.shape)} is not [blocks, {bs}, 1, {d}]")
     require_dtype(raw, "index_raw", _bf16_storage())
     require_inner_contiguous(raw, "index_raw", 3)
-    nb = raw.shape[0]
-    code_dim = d // 2 if index_format == "mxfp4" else d
-    require(out.dim() == 4 and tuple(out.shape) == (nb, bs // 4, 1, code_dim),
-            f"index_compressed: shape {tuple(out.shape)} is not [{nb}, {bs // 4}, 1, {code_dim}]")
-    require_inner_contiguous(out, "index_compressed", 3)
-    if index_format == "bf16":
-        require_dtype(out, "index_compressed", _bf16_storage())
-        return raw, out, None, 0.0
-    require("index_compressed_scale" in cache,
-            f"cache: format {index_format} needs field 'index_compressed_scale'")
-    scale = cache["index_compressed_scale"]
-    fmax = 0.0
-    if index_format == "fp8":
-        try:
-            fmax = fp8_max(out.dtype)
-        except FormatError as e:
-            raise KernelInputError(f"index_compressed: {e}") from None
-        require(tuple(scale.shape) == (nb, bs // 4, 1),
-                f"index_compressed_scale: shape {tuple(scale.shape)} is not [{nb}, {bs // 4}, 1]")
-        require_dtype(scale, "index_compressed_scale", (torch.float32,))
-        require_inner_contiguous(scale, "index_compressed_scale", 2)
-    else:
-        require_dtype(out, "index_compressed", (torch.uint8,))
-        ng = d // MX_GROUP
-        require(tuple(scale.shape) == (nb, bs // 4, 1, ng),
-                f"index_compressed_scale: shape {tuple(scale.shape)} is not "
-                f"[{nb}, {bs // 4}, 1, {ng}]")
-        require_dtype(scale, "index_compressed_scale", (torch.uint8,))
-        require_inner_contiguous(scale, "index_compressed_scale", 3)
+    out, scale = check_index_planes(cache, index_format, d, bs)
+    require(out.shape[0] == raw.shape[0], f"index_compressed: {out.shape[0]} blocks, index_raw "
+            f"has {raw.shape[0]}")
+    fmax = fp8_max(out.dtype) if index_format == "fp8" else 0.0
     return raw, out, scale, fmax
 
 
@@ -313,9 +289,8 @@ def work(preset: ModelPreset, index_format: str, groups: int) -> Work:
     """Bytes and FLOPs of compressing `groups` groups: 4 raw BF16 keys read and one stored key
     (codes + scale plane) written per group, plus its page-table entry; FLOPs of the mean (4/dim),
     RMSNorm (3/dim), rotation (3 per rotated dim) and quantization (2/dim)."""
-    check_index_format(index_format)
     d = preset.index_dim
-    stored = {"bf16": 2 * d, "fp8": d + 4, "mxfp4": d // 2 + d // MX_GROUP}[index_format]
+    stored = index_layout(index_format, d, FP8_DTYPES[0]).bytes_per_row
     per_group_bytes = 4 * 2 * d + stored + 4
     per_group_flops = 4 * d + 3 * d + 3 * preset.rope_dims + 2 * d
     return Work(bytes_moved=groups * per_group_bytes, flops=groups * per_group_flops)

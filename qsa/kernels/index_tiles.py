@@ -47,9 +47,10 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
-from qsa.formats import FP8_DTYPES, MX_GROUP, FormatError, check_index_format
-from qsa.kernels.common import (KernelInputError, data_checks_enabled, interpreting, require,
-                                require_dtype, require_inner_contiguous, storage_dtypes)
+from qsa.formats import MX_GROUP, FormatError, check_index_format
+from qsa.kernels.common import (KernelInputError, check_index_planes, data_checks_enabled,
+                                interpreting, require, require_dtype, require_inner_contiguous,
+                                storage_dtypes)
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
 
@@ -289,36 +290,9 @@ def batch_facts(batch: PagedBatch, num_blocks: int) -> BatchFacts:
 
 def _check_keys(cache: dict[str, torch.Tensor], fmt: str, dim: int, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    require("index_compressed" in cache,
-            f"cache: missing field 'index_compressed' (has {', '.join(cache)})")
-    keys = cache["index_compressed"]
-    gpb = block_size // 4
-    kdim = dim // 2 if fmt == "mxfp4" else dim
-    require(keys.dim() == 4 and tuple(keys.shape[1:]) == (gpb, 1, kdim),
-            f"index_compressed: shape {tuple(keys.shape)} is not [blocks, {gpb}, 1, {kdim}]")
-    require_inner_contiguous(keys, "index_compressed", 3)
-    if fmt == "bf16":
-        require_dtype(keys, "index_compressed", storage_dtypes())
-        return keys, keys
-    require("index_compressed_scale" in cache,
-            f"cache: index format {fmt} needs field 'index_compressed_scale'")
-    scales = cache["index_compressed_scale"]
-    nb = keys.shape[0]
-    if fmt == "fp8":
-        require_dtype(keys, "index_compressed", FP8_DTYPES)
-        require(tuple(scales.shape) == (nb, gpb, 1),
-                f"index_compressed_scale: shape {tuple(scales.shape)} is not [{nb}, {gpb}, 1]")
-        require_dtype(scales, "index_compressed_scale", (torch.float32,))
-        require_inner_contiguous(scales, "index_compressed_scale", 2)
-    else:
-        require_dtype(keys, "index_compressed", (torch.uint8,))
-        ng = dim // MX_GROUP
-        require(tuple(scales.shape) == (nb, gpb, 1, ng),
-                f"index_compressed_scale: shape {tuple(scales.shape)} is not "
-                f"[{nb}, {gpb}, 1, {ng}]")
-        require_dtype(scales, "index_compressed_scale", (torch.uint8,))
-        require_inner_contiguous(scales, "index_compressed_scale", 3)
-    return keys, scales
+    """Keys and scales; BF16 keys stand in for the (unread) scale pointer."""
+    keys, scales = check_index_planes(cache, fmt, dim, block_size)
+    return keys, keys if scales is None else scales
 
 
 def _check_batch(batch: PagedBatch, rows: int, device: torch.device) -> None:
