@@ -30,8 +30,14 @@ EOF
 cat "$out/env.txt"
 step ceilings python3 -m qsa.cli ceilings --measure
 step gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
+# Benchmarks report % of this device's measured ceilings, not of a datasheet.
+read -r copy_gbps bf16_tflops < <(python3 -c "from qsa.measure.device import detect_device, \
+load_or_measure_ceilings; c = load_or_measure_ceilings(detect_device()); \
+print(c.copy_gbps, c.bf16_tflops)")
 for b in scripts/bench_*.py; do
   name="$(basename "$b" .py)"
-  step "$name" python3 "$b" --out "$out/$name" $quick
+  extra=""
+  [ "$name" = bench_scorers ] && extra="--bf16-tflops $bf16_tflops"
+  step "$name" python3 "$b" --out "$out/$name" --copy-gbps "$copy_gbps" $extra $quick
 done
 exit $status

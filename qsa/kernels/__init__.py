@@ -1,0 +1,1 @@
+"""Triton kernels, one family per module; block configs come from qsa/configs/tables."""
