@@ -139,7 +139,7 @@ def step(preset: str = PRESET_OPT,
     from qsa.workbench.step import step_breakdown
 
     ctx = _ints(context)[0]
-    df = step_breakdown(preset, batch, ctx, mtp, index_format, kv_format)
+    df = step_breakdown(preset, batch, ctx, mtp, index_format, kv_format, progress=True)
     _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call", "us_per_step",
                      "share", "method"]], f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, "
                                          f"index {index_format}, KV {kv_format}")

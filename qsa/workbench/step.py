@@ -57,13 +57,17 @@ def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
 def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int = 3,
                    index_format: str = "bf16", kv_format: str = "bf16",
                    device: str | None = None, graph: bool = True,
-                   samples: int | None = None) -> pd.DataFrame:
+                   samples: int | None = None, progress: bool = False) -> pd.DataFrame:
     """One row per (phase, kernel): µs per call, calls per step, µs per step and share of the
     summed step; then a `sum` row and, where graphs work, a `graph replay` row."""
     p = as_preset(preset)
     calls = step_calls(p, mtp, index_format, kv_format)
     preps: list[tuple[StepCall, Prepared]] = []
     rows = []
+    if progress:
+        from tqdm.auto import tqdm
+
+        calls = tqdm(calls, desc="step kernels", unit="kernel")
     for c in calls:
         prep = prepare(Point(c.op, p, batch, context, c.rows, c.index_format, c.kv_format),
                        device)
