@@ -74,7 +74,16 @@ def ceilings(out: Path = typer.Option(Path("profiles"), help="profiles root"),
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x.replace("K", "")) * (1024 if x.endswith("K") else 1) for x in s.split(",") if x]
+    """"1,8,32" or "8K,128K" (K = 1024) as integers."""
+    out = []
+    for x in (t.strip() for t in s.split(",") if t.strip()):
+        try:
+            out.append(int(x[:-1]) * 1024 if x.upper().endswith("K") else int(x))
+        except ValueError:
+            raise typer.BadParameter(f"{x!r} is not an integer or a count like 32K") from None
+    if not out:
+        raise typer.BadParameter(f"{s!r} holds no values")
+    return out
 
 
 def _strs(s: str) -> list[str]:
@@ -182,7 +191,8 @@ def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
     from qsa.arena.capacity import capacity_table
 
     df = capacity_table(gib=gib, out_dir=out)
-    _print_frame(df, f"tokens in {gib:g} GiB")
+    _print_frame(df[["preset", "draft", "kv", "index", "tokens", "ratio_vs_bf16"]],
+                 f"tokens in {gib:g} GiB (draft: how the MTP draft layer is counted)")
 
 
 @app.command("offload-check")

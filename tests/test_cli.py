@@ -1,0 +1,38 @@
+"""The `qsa` command line: help lists the commands, bad values are refused by name, and a bench
+run lands in the results store."""
+
+from typer.testing import CliRunner
+
+from qsa.cli import app
+from qsa.measure.results import load_runs
+
+runner = CliRunner()
+
+
+def test_help_lists_commands():
+    out = runner.invoke(app, ["--help"]).output
+    for cmd in ("bench", "step", "tune", "profile", "sweep", "run", "capacity", "offload-check",
+                "ceilings", "info"):
+        assert cmd in out
+
+
+def test_bad_values_are_named():
+    res = runner.invoke(app, ["bench", "--batch", "1x"])
+    assert res.exit_code != 0 and "'1x' is not an integer" in res.output
+
+
+def test_bench_writes_a_verified_run(tmp_path):
+    res = runner.invoke(app, ["bench", "--op", "score_stacked,topk_expand", "--batch", "2",
+                              "--context", "40", "--rows", "2", "--index-format", "mxfp4",
+                              "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    df = load_runs(tmp_path, kind="bench")
+    assert sorted(df["op"]) == ["score_stacked", "topk_expand"]
+    assert df["verified"].all() and (df["index_format"] == "mxfp4").all()
+
+
+def test_capacity_table_prints_ratios():
+    res = runner.invoke(app, ["capacity", "--gib", "8"])
+    assert res.exit_code == 0, res.output
+    assert "mxfp4" in res.output
+    assert "1.647" in res.output  # FP8 K/V, BF16 index, BF16 draft counted: spec section 5
