@@ -187,7 +187,8 @@ def bench_topk(b: Bench, preset: ModelPreset, shapes: tuple[Shape, ...], full: b
         if full:
             hip = torch.version.hip is not None
             block_n = 1 << (cand - 1).bit_length()
-            configs += [BlockConfig({"CHUNK": c}, num_warps=w, num_stages=1) for w, c in SWEEP
+            configs += [BlockConfig({"CHUNK": c, "RADIX_BITS": r}, num_warps=w, num_stages=1)
+                        for r in (0, 8) for w, c in SWEEP
                         if KEYS_PER_LANE[0] <= block_n // (32 * w) <= KEYS_PER_LANE[1]
                         and c <= block_n and not (hip and w > 16)]
         for cfg in configs:
