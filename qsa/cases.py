@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields
+from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields, kv_field_names
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset, ShapeError
 from qsa.reference.compress import compress_reference, write_raw_keys_reference
@@ -143,7 +143,8 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
     num_blocks = int(batch.block_table.max()) + 1 + spec.spare_blocks
     fields = declare_fields(p, spec.formats)
     if not spec.build_kv:
-        fields = tuple(f for f in fields if not f.name.startswith(("k", "v")))
+        kv = kv_field_names(fields)
+        fields = tuple(f for f in fields if f.name not in kv)
     cache = {n: poison_(t) for n, t in allocate_layer(fields, num_blocks, device).items()}
 
     # Tensor data is drawn on `device` (seeded per device type); page tables on the CPU.

@@ -11,11 +11,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from qsa.presets import DEFAULT_PRESET, get_preset
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
 console = Console()
 
-PRESET_OPT = typer.Option("qwen3.8-flash-next", "--preset", help="Model preset name.")
+PRESET_OPT = typer.Option(DEFAULT_PRESET, "--preset", help="Model preset name.")
 
 
 def _print_frame(df, title: str) -> None:
@@ -86,6 +88,25 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def _one_int(s: str) -> int:
+    """A single value such as "32K" (commands that run one shape)."""
+    vals = _ints(s)
+    if len(vals) != 1:
+        raise typer.BadParameter(f"{s!r}: this command takes one value, got {len(vals)}")
+    return vals[0]
+
+
+def _env(s: str) -> dict[str, str]:
+    """"NAME=VALUE,NAME=VALUE" as a dict; entries without '=' are refused by name."""
+    out = {}
+    for item in _strs(s):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"{item!r} is not NAME=VALUE")
+        out[name] = value
+    return out
+
+
 def _strs(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
@@ -111,7 +132,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
     from qsa.measure.results import start_run
     from qsa.workbench.ops import VerificationError, measure
 
-    envd = dict(kv.split("=", 1) for kv in _strs(env))
+    envd = _env(env)
     grid = list(itertools.product(_strs(op), _ints(batch), _ints(context), _ints(rows),
                                   _strs(index_format), _strs(kv_format)))
     failed = 0
@@ -139,7 +160,8 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
 def step(preset: str = PRESET_OPT,
          batch: int = typer.Option(8, help="requests in the step"),
          context: str = typer.Option("32K", help="context per request, e.g. 32K"),
-         mtp: int = typer.Option(3, help="MTP draft tokens (verify rows = mtp + 1)"),
+         mtp: Optional[int] = typer.Option(None, help="MTP draft tokens (verify rows = mtp + 1); "
+                                           "default: the preset's"),
          index_format: str = typer.Option("bf16", help="target index format"),
          kv_format: str = typer.Option("bf16", help="target KV format"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
@@ -147,7 +169,9 @@ def step(preset: str = PRESET_OPT,
     from qsa.measure.results import start_run
     from qsa.workbench.step import step_breakdown
 
-    ctx = _ints(context)[0]
+    ctx = _one_int(context)
+    if mtp is None:
+        mtp = get_preset(preset).mtp_draft_tokens
     df = step_breakdown(preset, batch, ctx, mtp, index_format, kv_format, progress=True)
     _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call", "us_per_step",
                      "share", "method"]], f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, "
@@ -171,7 +195,7 @@ def tune(op: str = typer.Argument(..., help="op to tune, e.g. score_stacked"),
     from qsa.measure.results import start_run
     from qsa.workbench.tune import tune as run_tune
 
-    ctx = _ints(context)[0]
+    ctx = _one_int(context)
     df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
                   index_format=index_format, kv_format=kv_format,
                   max_candidates=max_candidates, write=write)
@@ -220,7 +244,7 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
     from qsa.measure.results import start_run
     from qsa.workbench.profile import point_from_args, profile_point, run_roctx_steps
 
-    point = point_from_args(op, preset, batch, _ints(context)[0], rows, index_format, kv_format)
+    point = point_from_args(op, preset, batch, _one_int(context), rows, index_format, kv_format)
     if profiler == "roctx":  # the child process of a rocprofv3 capture
         run_roctx_steps(point, steps)
         return

@@ -36,3 +36,10 @@ def test_capacity_table_prints_ratios():
     assert res.exit_code == 0, res.output
     assert "mxfp4" in res.output
     assert "1.647" in res.output  # FP8 K/V, BF16 index, BF16 draft counted: spec section 5
+
+
+def test_one_shape_commands_refuse_lists_and_bad_env():
+    res = runner.invoke(app, ["step", "--context", "8K,32K"])
+    assert res.exit_code != 0 and "takes one value" in res.output
+    res = runner.invoke(app, ["bench", "--env", "QSA_STACKED_DECODE_SCORER"])
+    assert res.exit_code != 0 and "is not NAME=VALUE" in res.output

@@ -178,7 +178,7 @@ def test_cpu_gets_no_ceilings(tmp_path):
         measure_ceilings(cpu_device())
 
 
-# Datasheet HBM bandwidth (GB/s) of the devices the project measures on (anchors section 2).
+# Datasheet HBM bandwidth (GB/s) of the devices the project measures on (vendor datasheets).
 DATASHEET_GBPS = {"nvidia-h200": 4800.0, "amd-mi355x": 8000.0, "amd-mi300x": 5300.0}
 
 

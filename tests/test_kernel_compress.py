@@ -12,7 +12,7 @@ Comparison rule (the same on CPU and GPU, except for the interpreter's FP8 cast)
   and are checked on their own, bit-exactly, on crafted rows (ties, zero groups, subnormals,
   exact powers of two): MXFP4 everywhere, FP8 scales everywhere and FP8 codes on the GPU.
 * Under the interpreter the in-kernel fp32 -> fp8 cast is wrong for a few % of values (triton
-  #8322; tooling notes 13.2): it rounds some ties away from even (one code step off) and drops
+  #8322): it rounds some ties away from even (one code step off) and drops
   the rounding carry into the exponent (a round-up to a power of two lands on half of it). CPU
   tests accept exactly those two slips, for at most 5% of the codes; GPU tests accept none.
 * Slots outside the groups a pass completes must keep their poison, byte for byte.

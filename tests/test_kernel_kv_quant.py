@@ -7,7 +7,7 @@ correctly rounded FP32 division in about half of the scales; on the CPU it divid
 CPU (Triton interpreter): BF16 caches are checked as fp32 surrogates (tests/support.py), so
 exactly. FP8 scales are checked exactly; FP8 codes within one E4M3 step with a mismatch-fraction
 bound, because the interpreter's fp32 -> fp8 cast drops the rounding carry into the exponent
-for ~2% of values (tooling notes 13.2) - those come out at half the reference's power of two and
+for ~2% of values (triton-lang/triton #8322) - those come out at half the reference's power of two and
 are counted separately. On a GPU every code and scale must match the reference by value.
 """
 
@@ -26,7 +26,7 @@ from qsa.reference.kv import store_kv_reference
 from qsa.reference.pipeline import row_slots
 from support import DEVICE, INTERPRETING, surrogate
 
-# The interpreter gets ~2.5-3% of in-kernel fp32 -> fp8 casts wrong here (tooling notes 13.2);
+# The interpreter gets ~2.5-3% of in-kernel fp32 -> fp8 casts wrong here (triton-lang/triton #8322);
 # a few hundred codes per tensor scatter that up to ~6%. A wrong scale would miss most codes.
 INTERP_FP8_MISMATCH_MAX = 0.08
 FP8_DTYPES = [

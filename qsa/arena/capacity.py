@@ -17,10 +17,10 @@ import pandas as pd
 from qsa.arena.arena import PageLayout, blocks_in
 from qsa.arena.fields import CacheFormats
 from qsa.formats import INDEX_FORMATS, KV_FORMATS
-from qsa.presets import get_preset
+from qsa.presets import PRESETS, get_preset
 
 GiB = 1 << 30
-DEFAULT_PRESETS: tuple[str, ...] = ("qwen3.8-flash-next", "qwen3.8-flash-next-tp2")
+DEFAULT_PRESETS: tuple[str, ...] = tuple(PRESETS)
 DEFAULT_GIB = 64.0
 # How the MTP draft layer is counted: not at all, BF16 caches (the default), or the target's.
 DRAFT_MODES: tuple[str, ...] = ("none", "bf16", "same")

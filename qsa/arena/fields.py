@@ -8,6 +8,8 @@ that forgot the scale planes and the draft rows is the bug this module exists to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Mapping
+
 import torch
 
 from qsa.formats import (FP8_DTYPES, FormatError, check_index_format, check_kv_format,
@@ -47,19 +49,25 @@ class CacheFormats:
             raise FormatError(f"fp8_dtype: {self.fp8_dtype} is not an FP8 E4M3 dtype")
 
 
+KV_CODE_FIELDS: tuple[str, ...] = ("k", "v")  # FP8 adds "<name>_scale" for each
+
+
+def kv_field_names(fields: "Iterable[FieldSpec] | Mapping[str, object]") -> tuple[str, ...]:
+    """The K/V fields (codes and their scale planes) among declared fields or a bound cache."""
+    names = [f if isinstance(f, str) else f.name for f in fields]
+    return tuple(n for n in names if n.removesuffix("_scale") in KV_CODE_FIELDS)
+
+
 def declare_fields(preset: ModelPreset, formats: CacheFormats) -> tuple[FieldSpec, ...]:
     """Fields of one QSA layer row, in stored order."""
     b, g = preset.block_size, preset.groups_per_block
     hkv = preset.num_kv_heads
     kvl = kv_layout(formats.kv, preset.head_dim, formats.fp8_dtype)
     idx = index_layout(formats.index, preset.index_dim, formats.fp8_dtype)
-    fields = [
-        FieldSpec("k", (b, hkv, *kvl.code_shape), kvl.code_dtype),
-        FieldSpec("v", (b, hkv, *kvl.code_shape), kvl.code_dtype),
-    ]
+    fields = [FieldSpec(n, (b, hkv, *kvl.code_shape), kvl.code_dtype) for n in KV_CODE_FIELDS]
     if kvl.scale_dtype is not None:
-        fields += [FieldSpec("k_scale", (b, hkv, *kvl.scale_shape), kvl.scale_dtype),
-                   FieldSpec("v_scale", (b, hkv, *kvl.scale_shape), kvl.scale_dtype)]
+        fields += [FieldSpec(f"{n}_scale", (b, hkv, *kvl.scale_shape), kvl.scale_dtype)
+                   for n in KV_CODE_FIELDS]
     fields.append(FieldSpec("index_raw", (b, 1, preset.index_dim), torch.bfloat16))
     fields.append(FieldSpec("index_compressed", (g, 1, *idx.code_shape), idx.code_dtype))
     if idx.scale_dtype is not None:

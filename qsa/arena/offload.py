@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from qsa.arena.arena import Arena, ArenaError, PageLayout
+from qsa.presets import DEFAULT_PRESET
 
 Strategy = Literal["auto", "ranges", "gather"]
 STRATEGIES: tuple[str, ...] = ("auto", "ranges", "gather")
@@ -286,7 +287,7 @@ def verify_layer_binding(offload: PageOffload, space: str, row: int,
 
 
 def offload_roundtrip_check(device: torch.device | str, *,
-                            preset: str = "qwen3.8-flash-next", kv: str = "fp8",
+                            preset: str = DEFAULT_PRESET, kv: str = "fp8",
                             index: str = "fp8", pages: int = 64, seed: int = 0) -> dict[str, Any]:
     """CLI piece: store `pages` pages of random bytes, scramble their blocks, restore them into
     other blocks, compare every byte; report the store and restore rates of the timed round

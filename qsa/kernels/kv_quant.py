@@ -4,7 +4,7 @@ launch, written to the paged cache at their token slots.
 BF16 caches take the rows as they are. FP8 caches take E4M3 codes plus one FP32 scale per
 (token, KV head) = row amax / fp8 max, the format `qsa.formats.fp8_quantize_rows` defines. Fusing
 the scale, the cast and the scatter into one kernel is what keeps FP8 K/V from costing more than
-a BF16 store (anchors 3.7, sglang #31652).
+a BF16 store (sglang PR #31652).
 
 A program owns BLOCK_R (token, KV head) rows of both K and V: every row is one contiguous
 `head_dim` vector in and one out, so loads and stores are full-width and the amax is a

@@ -4,7 +4,7 @@ or FP8 (E4M3 + FP32 per-(token, KV head) scale) K/V tiles from the paged cache.
 Design, and why:
 * One program owns one (query row, KV head): the G query heads of that KV head form the M side of
   one MMA tile (padded to 16, the smallest MMA M, with masked rows), so every K/V byte loaded is
-  used by all G heads (spec 2.7; anchors 3.6). Rows have independent selections, so rows are not
+  used by all G heads (spec 2.7). Rows have independent selections, so rows are not
   stacked: they would not share K tiles.
 * Token ids are looked up through the page table per token; a selected group is a 4-token run
   inside one page, so loads are full head_dim rows (512 B in BF16) and never straddle a page.
@@ -12,7 +12,7 @@ Design, and why:
 * FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
   probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
   sm90 an E4M3 pair converts to FP16 in one instruction but to BF16 only through two more
-  quarter-rate conversions, which would make FP8 dequantization-bound (anchors 6.1, 7). To keep
+  quarter-rate conversions, which would make FP8 dequantization-bound (on sm90). To keep
   FP16 in range, q is scaled by a power of two per tile (undone in the score scale) and each
   row's scaled probabilities are normalised by their tile maximum (undone on the PV result).
 * Decode grids (rows x KV heads) are often far smaller than the device, so the token list is

@@ -41,7 +41,7 @@ class _AmdArch:
     llc_bytes: int | None  # None: the L2 the driver reports is the last-level cache
 
 
-# Facts per AMD arch (tooling notes 2 and 5). MI300X/MI355X have a 256 MB Infinity Cache (MALL)
+# Facts per AMD arch (ROCm GPU specifications; Triton's AMD backend). MI300X/MI355X have a 256 MB Infinity Cache (MALL)
 # in front of HBM that the driver does not report; CDNA1/2 have no MALL and no FP8.
 _AMD_ARCHS: dict[str, _AmdArch] = {
     "gfx908": _AmdArch(None, None),

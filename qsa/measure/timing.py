@@ -1,7 +1,7 @@
 """One timing method for every benchmark.
 
 Why one method: numbers taken with different timers or cache states differ by up to 2x on
-decode-size kernels (tooling notes 1.2), so every number carries the method and cache policy it
+decode-size kernels (cold vs warm L2, launch overhead; triton-lang/triton PR #10149), so every number carries the method and cache policy it
 was taken with, and comparisons across methods are refused.
 
 Cold cache is made by *rotating input sets*, not by flushing: the caller builds `n_sets` copies

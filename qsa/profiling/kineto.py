@@ -1,6 +1,6 @@
 """torch.profiler (kineto) output as KernelLaunch records.
 
-Chrome-trace facts this relies on (measured on H200, torch 2.11; see notes/tooling.md §8):
+Chrome-trace facts this relies on (measured on H200, torch 2.11):
 kernel events have `cat == "kernel"`; `ts`/`dur` are µs even when `displayTimeUnit` says "ms";
 `pid` is the device and `tid` the stream. `record_function(...)` ranges appear on the device
 as `gpu_user_annotation` events, which is how launches get their step region. ROCm kineto

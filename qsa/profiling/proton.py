@@ -1,4 +1,4 @@
-"""Proton (`triton.profiler`) output as records (notes/tooling.md §7).
+"""Proton (`triton.profiler`) output as records.
 
 Tree (`data="tree"`, `<name>.hatchet`): a JSON list `[root, device_info]`. Kernel leaves carry
 `count` and `time (ns)`, the TOTAL over `count` launches; scopes carry user metrics only. The

@@ -1,6 +1,6 @@
 """rocprofv3 (AMD) output as KernelLaunch records, the capture command line, and a ROCTx shim.
 
-Reader order (notes/tooling.md §9): the rocpd SQLite database first, since rocpd is the default
+Reader order (ROCm rocprofiler-sdk docs, 'using rocpd output format'): the rocpd SQLite database first, since rocpd is the default
 output since ROCm 7.0 and its `kernels` view already attributes every dispatch to its ROCTx
 range; the CSV files are the fallback and are parsed by header name because their columns
 changed across ROCm releases. Only unsuffixed views are queried, never the uuid-suffixed

@@ -16,13 +16,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from qsa.arena.fields import kv_field_names
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig
 from qsa.formats import dequantize_index
 from qsa.measure.device import DeviceInfo, detect_device, load_or_measure_ceilings
 from qsa.measure.roofline import Work, roofline_record
-from qsa.measure.timing import sets_for_cold_cache, time_fn
-from qsa.presets import ModelPreset, as_preset
+from qsa.measure.timing import sets_for_cold_cache, time_fn, time_twice
+from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
 from qsa.reference import (rope_inv_freq, score_reference, sparse_gqa_reference,
                            topk_expand_reference)
 from qsa.reference.compress import completed_groups
@@ -281,7 +282,12 @@ def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         ref = dequantize_index(want["index_compressed"], want.get(scale), fmt)
         # Keys pass through sin/cos, whose last bits differ between devices and libraries; a
         # 1-ulp input change may move a code by one quantization step: allow 1% of elements.
-        assert_close("compress", got, ref, atol=float("inf"), rtol=0.0)  # nothing else written
+        assert_close("compress", got, ref, atol=float("inf"), rtol=0.0)  # every slot written
+        others = torch.ones(got.shape[:2], dtype=torch.bool, device=got.device)
+        others[blk, off] = False
+        for k, plane in want.items():  # and no other slot touched, bit for bit
+            if not same_values(sets[0][k][others], plane[others]):
+                raise VerificationError(f"compress: {k} changed outside the groups of this pass")
         frac = INTERPRETER_FP8_MISMATCH if fmt == "fp8" and _interpreting(device) else 0.01
         assert_codes_match("compress", got[blk, off], ref[blk, off], frac)
 
@@ -294,7 +300,7 @@ def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     case = _case(point, device, dev, build_kv=True)
     p, fmt = point.preset, point.kv_format
     slots = row_slots(case.batch).to(torch.int64)
-    want = {k: v.clone() for k, v in case.cache.items() if k[0] in "kv"}
+    want = {k: case.cache[k].clone() for k in kv_field_names(case.cache)}
     work = kv_quant.work(p, case.batch.num_rows, fmt)
     base = {"k_new": kernel_view(case.k_new, device), "v_new": kernel_view(case.v_new, device),
             **{k: kernel_view(v, device) for k, v in want.items()}}
@@ -332,7 +338,7 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     ids = topk_expand_reference(scores, case.batch, p)
     want = sparse_gqa_reference(case.q, case.cache, case.batch, ids, fmt, p.softmax_scale)
     work = sparse_gqa.work(ids, case.batch, p, fmt)
-    kv = {k: kernel_view(v, device) for k, v in case.cache.items() if k[0] in "kv"}
+    kv = {k: kernel_view(case.cache[k], device) for k in kv_field_names(case.cache)}
     sets = rotation_sets({**kv, "q": kernel_view(case.q, device)}, work, dev)
     outs = [torch.empty(case.q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
 
@@ -363,13 +369,22 @@ def prepare(point: Point, device: str | None = None) -> Prepared:
 
 
 def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
-                     samples: int | None = None) -> dict[str, Any]:
-    """Verify, then time, one prepared point under one config; one flat record."""
+                     samples: int | None = None, twice: bool = False) -> dict[str, Any]:
+    """Verify, then time, one prepared point under one config; one flat record. With `twice`,
+    the point is timed a second time in the same run and the record carries the repeat and
+    the noise verdict (`repeat_same_within_noise`), so a caller can tell noise from change."""
     dev = detect_device()
     prep.check(config)
-    kw = {} if samples is None else {"samples": samples}
-    timing = time_fn(lambda i: prep.call(i, config), prep.n_sets,
-                     bytes_per_set=prep.bytes_per_set, **kw)
+    kw: dict[str, Any] = {"bytes_per_set": prep.bytes_per_set}
+    if samples is not None:
+        kw["samples"] = samples
+    fn = lambda i: prep.call(i, config)  # noqa: E731
+    repeat: dict[str, Any] = {}
+    if twice:
+        tt = time_twice(fn, prep.n_sets, **kw)
+        timing, repeat = tt.first, tt.as_record()
+    else:
+        timing = time_fn(fn, prep.n_sets, **kw)
     ceilings = load_or_measure_ceilings(dev) if dev.is_gpu else None
     matrix = "fp8" if prep.point.fmt == "fp8" and prep.point.op == "score_prefill" else "bf16"
     rec: dict[str, Any] = {
@@ -378,13 +393,14 @@ def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
         "config": json.dumps(config.as_dict() if config else None, sort_keys=True),
         "verified": True,
         **timing.as_record(),
+        **{k: v for k, v in repeat.items() if k.startswith(("repeat_", "noise_"))},
         **roofline_record(timing, prep.work, ceilings, matrix=matrix),
     }
     rec["us"] = rec["median_us"]
     return rec
 
 
-def measure(op: str, *, preset: str | ModelPreset = "qwen3.8-flash-next", batch: int,
+def measure(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int,
             context: int,
             rows: int, index_format: str = "bf16", kv_format: str = "bf16",
             config: BlockConfig | None = None, device: str | None = None,

@@ -54,14 +54,16 @@ def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
     return calls
 
 
-def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int = 3,
+def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int | None = None,
                    index_format: str = "bf16", kv_format: str = "bf16",
                    device: str | None = None, graph: bool = True,
                    samples: int | None = None, progress: bool = False) -> pd.DataFrame:
-    """One row per (phase, kernel): µs per call, calls per step, µs per step and share of the
+    """`mtp` defaults to the preset's draft depth. One row per (phase, kernel): µs per call, calls per step, µs per step and share of the
     summed step; then a `sum` row and, where graphs work, a `graph replay` row."""
     p = as_preset(preset)
-    calls = step_calls(p, mtp, index_format, kv_format)
+    if mtp is not None:
+        p = p.replace(mtp_draft_tokens=mtp)  # validated: verify rows 1..8
+    calls = step_calls(p, p.mtp_draft_tokens, index_format, kv_format)
     preps: list[tuple[StepCall, Prepared]] = []
     rows = []
     if progress:

@@ -23,7 +23,7 @@ import torch
 from qsa.configs import BlockConfig, get_config, write_entry
 from qsa.kernels.common import backend_and_arch
 from qsa.measure.device import detect_device
-from qsa.presets import ModelPreset, as_preset
+from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
 from qsa.workbench.ops import KERNEL_OF, Point, measure_prepared, prepare
 
 WARPS = (2, 4, 8)
@@ -53,18 +53,20 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
         return (sum(c.meta[k] != base.meta[k] for k in keys) + (c.num_warps != base.num_warps)
                 + (c.num_stages != base.num_stages) + (c.amd != base.amd))
 
-    uniq = {json.dumps(c.as_dict(), sort_keys=True): c for c in out}
+    uniq = {json.dumps(c.as_dict(), sort_keys=True): c for c in out if c != base}
     ranked = sorted(uniq.values(), key=changes)
-    return ranked[:max_candidates]
+    return [base, *ranked[:max_candidates - 1]]
 
 
-def tune(op: str, *, preset: str | ModelPreset = "qwen3.8-flash-next", batch: int, context: int, rows: int,
+def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, context: int,
+         rows: int,
          index_format: str = "bf16", kv_format: str = "bf16", device: str | None = None,
          max_candidates: int = 48, samples: int | None = None, write: bool = False,
          progress: bool = True) -> pd.DataFrame:
-    """Time every candidate on one shape; with `write`, store the fastest verified config in
-    the table for this arch, format and shape bucket (if it beats the current entry beyond the
-    noise, or confirms it)."""
+    """Time every candidate on one shape (the current entry first, timed twice so the run knows
+    its own noise); with `write`, store the result in the table for this arch, format and shape
+    bucket: the fastest candidate if it beats the current entry by more than that noise,
+    otherwise the current entry, confirmed."""
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
     prep = prepare(point, device)
     backend, arch = backend_and_arch()
@@ -80,9 +82,9 @@ def tune(op: str, *, preset: str | ModelPreset = "qwen3.8-flash-next", batch: in
         rec: dict[str, Any] = {"candidate": i, "is_current": i == 0,
                                "config": json.dumps(cfg.as_dict(), sort_keys=True)}
         try:
-            r = measure_prepared(prep, cfg, samples)
+            r = measure_prepared(prep, cfg, samples, twice=i == 0)
             rec.update(status="ok", us=r["us"], p10_us=r["p10_us"], p90_us=r["p90_us"],
-                       iqr_us=r["iqr_us"], method=r["method"],
+                       iqr_us=r["iqr_us"], method=r["method"], noise_rel=r.get("noise_floor_rel"),
                        functional_only=r["functional_only"], error="")
         except Exception as e:  # compile error, OutOfResources, VerificationError: skip it
             rec.update(status=type(e).__name__, us=float("nan"), error=_short(e))
@@ -103,8 +105,9 @@ def _short(e: BaseException) -> str:
 
 
 def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) -> BlockConfig:
-    """Store the fastest verified candidate with provenance: device, date, versions, µs, and the
-    current entry's µs it was measured against in the same run."""
+    """Store the fastest verified candidate with provenance (device, date, versions, µs, and the
+    current entry's µs measured in the same run); when it is not faster than the current entry
+    beyond the run's noise, the current entry is written back as confirmed."""
     ok = df[df["status"] == "ok"]
     if ok.empty:
         raise RuntimeError(f"tune {op}: no candidate passed verification; nothing written")
@@ -112,11 +115,20 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) ->
         raise RuntimeError(f"tune {op}: interpreter timings mean nothing; nothing written")
     best = ok.loc[ok["us"].idxmin()]
     cur = ok[ok["is_current"]]
+    verdict = "faster"
+    if not cur.empty:
+        c = cur.iloc[0]
+        repeat = c.get("noise_rel")
+        noise = max(float(repeat) if pd.notna(repeat) else 0.0,
+                    float(c["iqr_us"]) / float(c["us"]), float(best["iqr_us"]) / float(best["us"]))
+        if float(c["us"]) <= float(best["us"]) * (1 + noise):
+            best, verdict = c, "confirmed"  # not faster beyond this run's noise: keep it
     dev = detect_device()
     import triton
 
-    prov = {"tuned": True, "device": dev.name, "arch": arch, "date": dt.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__, "us": float(best["us"]),
+    prov = {"tuned": True, "verdict": verdict, "device": dev.name, "arch": arch,
+            "date": dt.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "us": float(best["us"]),
             "p10_us": float(best["p10_us"]), "p90_us": float(best["p90_us"]),
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
             "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None}
