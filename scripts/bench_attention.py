@@ -29,7 +29,6 @@ GPU (functional only).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from qsa.measure.results import write_rows
+from qsa.measure.results import bench_parser, parse_bench_args, write_rows
 from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields
 from qsa.cases import CaseSpec, activations, make_batch, make_case, poison_
 from qsa.configs import BlockConfig
@@ -524,20 +523,11 @@ def _summary(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true",
-                    help="128K decode at batch 1, 8, 64 (random selections); 4K prefill; store")
+    ap = bench_parser(__doc__.splitlines()[0],
+                      "128K decode at batch 1, 8, 64 (random selections); 4K prefill; store")
     ap.add_argument("--sweep", action="store_true",
                     help="also time alternative block configs (decode 128K, prefill 4K)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes; the only mode that runs without a GPU")
-    ap.add_argument("--copy-gbps", type=float, default=4285.0,
-                    help="measured copy bandwidth for %% of copy (H200: 4285)")
-    ap.add_argument("--preset", default="qwen3.8-flash-next")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available() and not args.smoke:
-        ap.error("no GPU: only --smoke runs under the interpreter")
+    args = parse_bench_args(ap, argv)
     device = detect_device()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     preset = get_preset(args.preset)

@@ -21,7 +21,6 @@ samples left out). Usage: python scripts/bench_topk_compress.py --out DIR [--qui
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from qsa.measure.results import write_rows
+from qsa.measure.results import bench_parser, parse_bench_args, write_rows
 from qsa.cases import CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig
 from qsa.formats import INDEX_FORMATS, index_layout
@@ -309,17 +308,8 @@ def bench_compress(b: Bench, preset: ModelPreset, llc: int, dev: str, smoke: boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true", help="table configs only, no warps sweep")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes; the only mode that runs without a GPU")
-    ap.add_argument("--copy-gbps", type=float, default=4285.0,
-                    help="measured copy bandwidth for %% of copy (H200: 4285)")
-    ap.add_argument("--preset", default="qwen3.8-flash-next")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available() and not args.smoke:
-        ap.error("no GPU: only --smoke runs under the interpreter")
+    ap = bench_parser(__doc__.splitlines()[0], "table configs only, no warps sweep")
+    args = parse_bench_args(ap, argv)
     device = detect_device()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     llc = device.llc_bytes

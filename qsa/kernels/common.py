@@ -90,6 +90,20 @@ def storage_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.bfloat16, torch.float32) if interpreting() else (torch.bfloat16,)
 
 
+def kv_code_planes(cache: dict[str, torch.Tensor], kv_format: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V code planes of a cache, after checking the format name and that both exist."""
+    from qsa.formats import check_kv_format
+
+    try:
+        check_kv_format(kv_format)
+    except ValueError as e:
+        raise KernelInputError(str(e)) from None
+    for name in ("k", "v"):
+        require(name in cache, f"cache: no '{name}' field")
+    return cache["k"], cache["v"]
+
+
 def kv_scale_planes(cache: dict[str, torch.Tensor], kv_format: str
                     ) -> list[tuple[str, torch.Tensor]]:
     """Check the K/V code planes and, for FP8, their FP32 scale planes [blocks, block, Hkv];

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format, fp8_max
-from qsa.kernels.common import (KernelInputError, kernel_repr, kv_scale_planes,
+from qsa.kernels.common import (KernelInputError, kernel_repr, kv_code_planes, kv_scale_planes,
                                 lookup, require, require_dtype, require_inner_contiguous)
 from qsa.measure.roofline import Work
 from qsa.presets import ModelPreset
@@ -80,13 +80,7 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
 
 def _check(cache: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, kv_format: str) -> None:
-    try:
-        check_kv_format(kv_format)
-    except ValueError as e:
-        raise KernelInputError(str(e)) from None
-    for name in ("k", "v"):
-        require(name in cache, f"cache: no '{name}' field")
-    kc, vc = cache["k"], cache["v"]
+    kc, vc = kv_code_planes(cache, kv_format)
     require(kc.dim() == 4, f"cache['k']: expected [blocks, block_size, Hkv, D], got shape "
                            f"{tuple(kc.shape)}")
     require(vc.shape == kc.shape, f"cache['v']: shape {tuple(vc.shape)} differs from "

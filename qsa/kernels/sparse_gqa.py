@@ -31,9 +31,9 @@ import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format
-from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, kv_scale_planes,
-                                lookup, require, require_dtype, require_inner_contiguous,
-                                storage_dtypes)
+from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, kv_code_planes,
+                                kv_scale_planes, lookup, require, require_dtype,
+                                require_inner_contiguous, storage_dtypes)
 from qsa.measure.roofline import Work
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
@@ -190,13 +190,7 @@ def _check(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
            token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
            out: torch.Tensor | None) -> None:
     """Shape, dtype and layout checks: host metadata only, no device reads."""
-    try:
-        check_kv_format(kv_format)
-    except ValueError as e:
-        raise KernelInputError(str(e)) from None
-    for name in ("k", "v"):
-        require(name in cache, f"cache: no '{name}' field")
-    kc, vc = cache["k"], cache["v"]
+    kc, vc = kv_code_planes(cache, kv_format)
     hq, hkv, d = preset.num_q_heads, preset.num_kv_heads, preset.head_dim
     require(q.dim() == 3 and tuple(q.shape[1:]) == (hq, d),
             f"q: expected [rows, {hq}, {d}] for preset {preset.name}, got {tuple(q.shape)}")

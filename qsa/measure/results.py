@@ -251,3 +251,29 @@ def write_rows(out_dir: str | Path, stem: str, rows: Iterable[Mapping[str, Any]]
     w.writeheader()
     w.writerows(rows)
     atomic_write_bytes(out / f"{stem}.csv", buf.getvalue().encode())
+
+
+def bench_parser(description: str, quick_help: str) -> "argparse.ArgumentParser":
+    """The options every benchmark script shares: --out, --quick, --smoke, --copy-gbps,
+    --preset. `parse_bench_args` refuses a GPU-less run that is not a --smoke run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes; the only mode that runs without a GPU")
+    ap.add_argument("--copy-gbps", type=float, default=4285.0,
+                    help="measured copy bandwidth for %% of copy (H200: 4285)")
+    ap.add_argument("--preset", default="qwen3.8-flash-next")
+    return ap
+
+
+def parse_bench_args(ap: "argparse.ArgumentParser", argv: list[str] | None
+                     ) -> "argparse.Namespace":
+    import torch
+
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and not args.smoke:
+        ap.error("no GPU: only --smoke runs under the interpreter")
+    return args
