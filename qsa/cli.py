@@ -156,6 +156,24 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
 
 
 
+def _format_pairs(s: str) -> list[tuple[str, str]]:
+    """`bf16/bf16,fp8/fp8`: (index format, KV format) pairs, each checked by name."""
+    from qsa.formats import check_index_format, check_kv_format
+
+    pairs = []
+    for item in _strs(s):
+        parts = item.split("/")
+        if len(parts) != 2:
+            raise typer.BadParameter(f"{item!r}: expected INDEX/KV, e.g. fp8/fp8")
+        try:
+            check_index_format(parts[0])
+            check_kv_format(parts[1])
+        except ValueError as e:
+            raise typer.BadParameter(f"{item!r}: {e}") from None
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
 @app.command()
 def step(preset: str = PRESET_OPT,
          batch: int = typer.Option(8, help="requests in the step"),
@@ -164,23 +182,38 @@ def step(preset: str = PRESET_OPT,
                                            "default: the preset's"),
          index_format: str = typer.Option("bf16", help="target index format"),
          kv_format: str = typer.Option("bf16", help="target KV format"),
+         formats: Optional[str] = typer.Option(
+             None, help="several INDEX/KV pairs side by side in one run, e.g. "
+                        "bf16/bf16,fp8/fp8,mxfp4/fp8 (overrides --index-format/--kv-format); "
+                        "speedups are against the first"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Per-step µs of every QSA kernel (target verify + draft calls): sum and graph replay."""
     from qsa.measure.results import start_run
-    from qsa.workbench.step import step_breakdown
+    from qsa.workbench.step import step_breakdown, step_comparison
 
     ctx = _one_int(context)
     if mtp is None:
         mtp = get_preset(preset).mtp_draft_tokens
-    df = step_breakdown(preset, batch, ctx, mtp, index_format, kv_format, progress=True)
-    _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call", "us_per_step",
-                     "share", "method"]], f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, "
-                                         f"index {index_format}, KV {kv_format}")
+    pairs = _format_pairs(formats) if formats else [(index_format, kv_format)]
+    frames = []
+    for idx, kv in pairs:
+        df = step_breakdown(preset, batch, ctx, mtp, idx, kv, progress=True)
+        _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call",
+                         "us_per_step", "share", "method"]],
+                     f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, index {idx}, KV {kv}")
+        frames.append(df.assign(index_format=idx, kv_format=kv))
     with start_run("step", root=out, extra={"preset": preset, "batch": batch, "context": ctx,
-                                            "mtp": mtp}) as run:
-        run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp,
-                      "index_format": index_format, "kv_format": kv_format}
-                     for r in df.to_dict("records"))
+                                            "mtp": mtp, "formats": pairs}) as run:
+        for df in frames:
+            run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp}
+                         for r in df.to_dict("records"))
+        if len(frames) > 1:
+            from qsa.measure.device import detect_device
+
+            cmp = step_comparison(frames, run.directory / "step_formats.png",
+                                  f"{preset}: batch {batch} x {ctx}, MTP {mtp}; "
+                                  f"{detect_device().name}, graph replay per kernel, cold L2")
+            _print_frame(cmp, "step side by side (speedup against the first pair)")
     console.print(f"results: {run.directory}")
 
 

@@ -87,13 +87,13 @@ class Plan:
 
 
 FULL = Plan((8192, 32768, 131072), (1, 8, 32, 64), (4096, 16384), 16384)
-QUICK = Plan((131072,), (1, 8, 64), (4096,), 16384, ("random",))
+QUICK = Plan((131072,), (1, 8, 64), (4096,), 16384, ("random",), sweep_batches=(64, 8, 1))
 SMOKE = Plan((160,), (1, 2), (48,), 64, sweep_batches=(2,))
 
 # --sweep candidates: (BLOCK_N, num_warps, num_stages); decode also tries occupancy estimates.
 # The pipeliner spreads num_stages - 1 over the ids -> page -> K/V chain of loads (3 levels), so
 # K/V tiles get (num_stages - 1) // 3 buffers in flight: 4 stages give 1, 7 give 2.
-SWEEP_TILES = tuple((n, w, s) for n in (32, 64) for w in (4, 8) for s in (4, 7))
+SWEEP_TILES = ((32, 4, 3), (32, 4, 4), (64, 4, 4), (64, 8, 4), (64, 4, 7), (128, 8, 4))
 SWEEP_RESIDENT = (1, 2, 3, 4)
 
 

@@ -1,6 +1,7 @@
 """Per-step roll-up and the tuner, at interpreter sizes."""
 
 import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -102,3 +103,72 @@ def test_a_win_inside_the_noise_confirms_the_current_entry(monkeypatch, tmp_path
     assert tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256) == cfgs[0]
     choice = get_config("score_stacked", "sm90", "bf16", 256, table_dir=tmp_path)
     assert choice.provenance["verdict"] == "confirmed" and choice.provenance["us"] == 10.0
+
+
+@pytest.mark.parametrize("op", [
+    "score_stacked", "score_rowwise", "score_prefill", "topk_expand", "compress", "kv_store",
+    "sparse_gqa_decode", "sparse_gqa_prefill"])
+def test_a_tuned_entry_is_the_one_the_kernel_then_runs(op, monkeypatch, tmp_path):
+    """The whole loop on the interpreter: tune a tiny space, write the winner where the tuner
+    says, then run the kernel with its table config and see which entry it resolved. The
+    winner is forced to the non-current candidate (interpreter times mean nothing), so a
+    coordinate that differs from the kernel's own lookup would leave the old entry in use."""
+    from qsa.configs import TABLE_DIR
+    from qsa.kernels.common import observe_lookups
+    from qsa.workbench.ops import KERNEL_OF, Point, config_coordinate, prepare
+
+    shutil.copytree(TABLE_DIR, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    fmt = ("fp8", "fp8") if op in ("kv_store", "sparse_gqa_decode") else ("mxfp4", "bf16")
+    # A context of 160 puts the score width (40 groups) and the row count (2) far apart, so a
+    # tuner keyed by rows would write where the scorers never look.
+    shape = dict(preset=TINY, batch=2, context=160, rows=2, index_format=fmt[0],
+                 kv_format=fmt[1])
+    df = tune_mod.tune(op, max_candidates=2, samples=1, progress=False, **shape)
+    assert list(df["status"]) == ["ok", "ok"], df["error"].tolist()
+    df["functional_only"] = False  # stand-in for GPU timings: make the candidate win
+    df.loc[0, "us"], df.loc[1, "us"] = 10.0, 5.0
+    df["iqr_us"], df["noise_rel"] = 0.0, 0.0
+    won = tune_mod.write_winner(df, op, "default", df["kernel_fmt"].iloc[0],
+                                int(df["bucket"].iloc[0]))
+    assert won == BlockConfig.from_dict(json.loads(df["config"].iloc[1]))
+    point = Point(op, TINY, 2, 160, 2, *fmt)
+    prep = prepare(point)
+    with observe_lookups() as seen:
+        prep.check(None)
+    used = [s for s in seen if s.kernel == KERNEL_OF[op]]
+    assert used and all(s.config == won and not s.explicit for s in used)
+    # The kernel's own coordinate is where the winner was written, not merely nearest to it.
+    assert {s.size for s in used} == {int(df["bucket"].iloc[0])}
+    assert config_coordinate(prep).size == int(df["bucket"].iloc[0])
+    choice = get_config(KERNEL_OF[op], "default", used[0].fmt, used[0].size, table_dir=tmp_path)
+    assert choice.tuned and choice.bucket == int(df["bucket"].iloc[0])
+
+
+def test_step_comparison_of_format_pairs(tmp_path):
+    """Side-by-side steps: speedups against the first pair, and the figure is written."""
+    def frame(idx, kv, attn):
+        return pd.DataFrame({
+            "phase": ["target", "target", "step", "step"],
+            "kernel": ["score_stacked", "sparse_gqa_decode", "sum of kernels", "graph replay"],
+            "us_per_step": [100.0, attn, 100.0 + attn, 95.0 + attn],
+            "index_format": idx, "kv_format": kv})
+
+    frames = [frame("bf16", "bf16", 300.0), frame("fp8", "fp8", 100.0)]
+    cmp = step_mod.step_comparison(frames, tmp_path / "f.png", "test")
+    assert list(cmp["sum_us"]) == [400.0, 200.0]
+    assert cmp["speedup_sum"].tolist() == [1.0, 2.0]
+    assert cmp["speedup_graph"].iloc[1] == pytest.approx(395.0 / 195.0)
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_step_formats_option_refuses_bad_pairs():
+    import typer
+
+    from qsa.cli import _format_pairs
+
+    assert _format_pairs("bf16/bf16,mxfp4/fp8") == [("bf16", "bf16"), ("mxfp4", "fp8")]
+    with pytest.raises(typer.BadParameter, match="INDEX/KV"):
+        _format_pairs("fp8")
+    with pytest.raises(typer.BadParameter, match="KV format 'mxfp4'"):
+        _format_pairs("fp8/mxfp4")

@@ -3,9 +3,12 @@ that carry their config, and input checks with messages that name the problem.""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,12 +36,45 @@ def backend_and_arch() -> tuple[str, str]:
     return target.backend, f"sm{target.arch}"
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """One config resolution of a kernel call: the table coordinate the kernel asked for
+    (its config bucket rule applied to the call's shape) and the config it launched."""
+
+    kernel: str
+    fmt: str
+    size: int
+    config: BlockConfig
+    explicit: bool
+
+
+_OBSERVED: contextvars.ContextVar[list[Lookup] | None] = contextvars.ContextVar(
+    "qsa_observed_lookups", default=None)
+
+
+@contextlib.contextmanager
+def observe_lookups() -> Iterator[list[Lookup]]:
+    """Collect every config lookup made inside the block. The tuner learns a call's table
+    coordinate this way, from the kernel itself: each kernel maps its shape to a bucket in one
+    place (its `lookup` call), and no second copy of that rule can drift from it."""
+    seen: list[Lookup] = []
+    token = _OBSERVED.set(seen)
+    try:
+        yield seen
+    finally:
+        _OBSERVED.reset(token)
+
+
 def lookup(kernel: str, fmt: str, size: int, config: BlockConfig | None = None
            ) -> tuple[BlockConfig, dict]:
-    """An explicit config wins; otherwise the table entry for this arch. Returns the config
-    and the launch keywords filtered for the active backend."""
+    """An explicit config wins; otherwise the table entry for this arch nearest to `size`,
+    the kernel's config coordinate. Returns the config and the launch keywords filtered for
+    the active backend."""
     backend, arch = backend_and_arch()
     cfg = config if config is not None else get_config(kernel, arch, fmt, size).config
+    seen = _OBSERVED.get()
+    if seen is not None:
+        seen.append(Lookup(kernel, fmt, int(size), cfg, config is not None))
     return cfg, cfg.launch_kwargs(backend, arch)
 
 

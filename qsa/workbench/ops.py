@@ -20,6 +20,7 @@ from qsa.arena.fields import kv_field_names
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig
 from qsa.formats import dequantize_index
+from qsa.kernels.common import Lookup, observe_lookups
 from qsa.measure.device import DeviceInfo, detect_device, load_or_measure_ceilings
 from qsa.measure.roofline import Work, roofline_record
 from qsa.measure.timing import sets_for_cold_cache, time_fn, time_twice
@@ -92,7 +93,6 @@ class Prepared:
     work: Work
     n_sets: int
     bytes_per_set: int
-    size: int  # the config-table bucket coordinate (rows or tokens of the call)
 
 
 @contextlib.contextmanager
@@ -224,7 +224,7 @@ def _prepare_score(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         # bf16 queries and MMA operands against an FP32 reference
         assert_close(point.op, call(0, cfg), want, atol=3e-2, rtol=3e-2)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
 
 def _prepare_topk(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -249,7 +249,7 @@ def _prepare_topk(point: Point, device: str, dev: DeviceInfo) -> Prepared:
             raise VerificationError(f"topk_expand: row {int(diff.nonzero()[0])} selects other "
                                     "tokens than the reference")
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
 
 def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -291,7 +291,7 @@ def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         frac = INTERPRETER_FP8_MISMATCH if fmt == "fp8" and _interpreting(device) else 0.01
         assert_codes_match("compress", got[blk, off], ref[blk, off], frac)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
 
 def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -324,7 +324,7 @@ def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
             elif not same_values(got, ref):  # on a GPU: bit-exact by value
                 raise VerificationError(f"kv_store: {k} differs from the reference")
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
 
 def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -351,7 +351,7 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         poison_(outs[0])
         assert_close(point.op, call(0, cfg), want, atol=2e-2, rtol=2e-2)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), case.batch.num_rows)
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
 
 _PREPARERS: dict[str, Callable[[Point, str, DeviceInfo], Prepared]] = {
@@ -360,6 +360,20 @@ _PREPARERS: dict[str, Callable[[Point, str, DeviceInfo], Prepared]] = {
     "compress": _prepare_compress, "kv_store": _prepare_kv_store,
     "sparse_gqa_decode": _prepare_attention, "sparse_gqa_prefill": _prepare_attention,
 }
+
+
+def config_coordinate(prep: Prepared) -> Lookup:
+    """The config-table coordinate (kernel, format, bucket size) the op's kernel looks its
+    table entry up at for this point, observed from one verified run of the kernel with its
+    table config. Refuses an op whose call resolves more than one coordinate."""
+    kernel = KERNEL_OF[prep.point.op]
+    with observe_lookups() as seen:
+        prep.check(None)
+    found = {(s.kernel, s.fmt, s.size): s for s in seen if s.kernel == kernel}
+    if len(found) != 1:
+        raise RuntimeError(f"{prep.point.op}: expected one config lookup of {kernel!r}, "
+                           f"saw {sorted(found) or 'none'}")
+    return next(iter(found.values()))
 
 
 def prepare(point: Point, device: str | None = None) -> Prepared:

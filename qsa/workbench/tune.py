@@ -24,7 +24,8 @@ from qsa.configs import BlockConfig, get_config, write_entry
 from qsa.kernels.common import backend_and_arch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
-from qsa.workbench.ops import KERNEL_OF, Point, measure_prepared, prepare
+from qsa.workbench.ops import (KERNEL_OF, Point, config_coordinate, measure_prepared,
+                               prepare)
 
 WARPS = (2, 4, 8)
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
@@ -70,7 +71,8 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
     prep = prepare(point, device)
     backend, arch = backend_and_arch()
-    current = get_config(KERNEL_OF[op], arch, point.fmt, prep.size)
+    coord = config_coordinate(prep)  # where the kernel itself looks its entry up
+    current = get_config(coord.kernel, arch, coord.fmt, coord.size)
     space = config_space(op, current.config, backend, max_candidates)
     rows_out: list[dict[str, Any]] = []
     it = space
@@ -94,9 +96,9 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     df = pd.DataFrame(rows_out)
     for k, v in point.as_record().items():
         df[k] = v
-    df["arch"], df["bucket"] = arch, prep.size
+    df["arch"], df["bucket"], df["kernel_fmt"] = arch, coord.size, coord.fmt
     if write:
-        write_winner(df, op, arch, point.fmt, prep.size)
+        write_winner(df, op, arch, coord.fmt, coord.size)
     return df
 
 
