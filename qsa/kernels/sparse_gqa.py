@@ -80,22 +80,6 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
     return tl.reshape(tl.join(a, b), (BLOCK_N, D))
 
 
-@triton.jit
-def _tile_rows(ids_row, bt_row, n0, width, ctx, max_pages, num_blocks, head_off,
-               HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where the BLOCK_N ids from n0 live: which may be read (inside the row's list, the
-    request's context, the page table and the pool), their block, their (token, KV head) slot
-    inside the block and the element offset of their K/V row of this program's KV head."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    ids = tl.load(ids_row + n, mask=n < width, other=-1)
-    page = ids // PAGE
-    valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
-    blk = tl.load(bt_row + page, mask=valid, other=-1)
-    valid = valid & (blk >= 0) & (blk < num_blocks)
-    tok = (ids % PAGE) * HKV
-    return valid, blk.to(tl.int64), tok, tok * D + head_off
-
-
 @triton.jit(repr=_attention_repr)
 def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
                        out_ptr, po_ptr, lse_ptr,
@@ -121,9 +105,8 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     m_offs = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     heads = head * G + m_offs
-    hmask = m_offs < G
     q = tl.load(q_ptr + row64 * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None], other=0.0)
+                mask=(m_offs < G)[:, None], other=0.0)
     if FP8:
         # Power-of-two scale so the largest |q| lands in [2^14, 2^15): exact in FP16 range.
         qf = q.to(tl.float32)
@@ -137,14 +120,20 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     # -1e30, not -inf: a tile with no valid token then gives alpha = 1 and p = 0, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    head_off = head * D
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    head_off = head * D
     # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
     # under numpy >= 2.4, and whole blocks per split make it exact anyway.
     for i in range(SPLIT_BLOCKS):
-        valid, blk64, tok, kv_off = _tile_rows(ids_row, bt_row, n_lo + i * BLOCK_N, width,
-                                              ctx, max_pages, num_blocks, head_off,
-                                              HKV, D, PAGE, BLOCK_N)
+        n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        ids = tl.load(ids_row + n, mask=n < width, other=-1)
+        page = ids // PAGE
+        valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+        blk = tl.load(bt_row + page, mask=valid, other=-1)
+        valid = valid & (blk >= 0) & (blk < num_blocks)
+        blk64 = blk.to(tl.int64)
+        tok = (ids % PAGE) * HKV
+        kv_off = tok * D + head_off
         k = tl.load(k_ptr + (blk64 * stride_kb + kv_off)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
         if FP8:
@@ -174,14 +163,15 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    hmask = (m_offs < G)[:, None]
     if SPLIT:
         part = (row64 * (HKV * G) + heads) * num_splits + split  # [rows, Hq, splits] order
-        tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask[:, None])
+        tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask)
         tl.store(lse_ptr + part, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
-                                          float("-inf")), mask=hmask)
+                                          float("-inf")), mask=m_offs < G)
     else:
         tl.store(out_ptr + row64 * stride_or + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
 @triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D"]))

@@ -105,44 +105,23 @@ def _run_step(preps: list[tuple[StepCall, Prepared]], i: int) -> None:
 
 def step_comparison(frames: list[pd.DataFrame], figure: Path, title: str) -> pd.DataFrame:
     """Steps of several format pairs measured in one run: summed and graph-replayed µs per
-    step, each with its speedup against the first pair; and a stacked bar figure of where each
-    step's time goes (per kernel and phase), so a review sees which kernel a format moved."""
-    import matplotlib
+    step, each with its speedup against the first pair; and `figure` (its folder and stem;
+    PNG and SVG), the kernels of every pair stacked side by side with the graph replay marked,
+    so a review sees which kernel a format moved."""
+    from qsa.workbench.plots import step_stacked_bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = []
-    for df in frames:
-        total = df[df["kernel"] == "sum of kernels"]["us_per_step"]
-        graph = df[df["kernel"] == "graph replay"]["us_per_step"]
-        rows.append({"index_format": df["index_format"].iloc[0],
-                     "kv_format": df["kv_format"].iloc[0],
-                     "sum_us": float(total.iloc[0]),
-                     "graph_us": float(graph.iloc[0]) if len(graph) else float("nan")})
-    cmp = pd.DataFrame(rows)
+    both = pd.concat(frames, ignore_index=True)
+    steps = both[both["phase"] == "step"].pivot_table(
+        index=["index_format", "kv_format"], columns="kernel", values="us_per_step",
+        sort=False)
+    cmp = pd.DataFrame({"sum_us": steps["sum of kernels"],
+                        "graph_us": steps.get("graph replay", float("nan"))}).reset_index()
     cmp["speedup_sum"] = cmp["sum_us"].iloc[0] / cmp["sum_us"]
     cmp["speedup_graph"] = cmp["graph_us"].iloc[0] / cmp["graph_us"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    labels = [f"{r.index_format} index\n{r.kv_format} K/V" for r in cmp.itertuples()]
-    parts = sorted({(p, k) for df in frames for p, k in
-                    zip(df["phase"], df["kernel"]) if p != "step"})
-    bottom = [0.0] * len(frames)
-    for phase, kernel in parts:
-        vals = []
-        for df in frames:
-            m = df[(df["phase"] == phase) & (df["kernel"] == kernel)]["us_per_step"]
-            vals.append(float(m.sum()))
-        ax.bar(labels, vals, bottom=bottom, label=f"{phase}: {kernel}")
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, r in enumerate(cmp.itertuples()):
-        ax.text(i, bottom[i], f"{r.sum_us:,.0f} µs\nx{r.speedup_sum:.2f}", ha="center",
-                va="bottom", fontsize=8)
-    ax.set_ylabel("µs per decode step (sum of kernels)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_ylim(0, max(bottom) * 1.15)
-    fig.tight_layout()
-    fig.savefig(figure, dpi=120)
-    plt.close(fig)
+    both["index/KV"] = both["index_format"] + "/" + both["kv_format"]
+    calls = both[both["phase"] != "step"]
+    step_stacked_bars(calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")"),
+                      figure.parent, x="index/KV", stack="call",
+                      totals=both[both["kernel"] == "graph replay"], name=figure.stem,
+                      title=title)
     return cmp
