@@ -93,7 +93,8 @@ SMOKE = Plan((160,), (1, 2), (48,), 64, sweep_batches=(2,))
 # --sweep candidates: (BLOCK_N, num_warps, num_stages); decode also tries occupancy estimates.
 # The pipeliner spreads num_stages - 1 over the ids -> page -> K/V chain of loads (3 levels), so
 # K/V tiles get (num_stages - 1) // 3 buffers in flight: 4 stages give 1, 7 give 2.
-SWEEP_TILES = ((32, 4, 3), (32, 4, 4), (64, 4, 4), (64, 8, 4), (64, 4, 7), (128, 8, 4))
+SWEEP_TILES = ((64, 4, 4), (64, 4, 3), (64, 4, 5), (128, 4, 2), (128, 4, 3), (128, 8, 3),
+               (32, 4, 4), (256, 8, 2))
 SWEEP_RESIDENT = (1, 2, 3, 4)
 
 
