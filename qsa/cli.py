@@ -218,17 +218,51 @@ def step(preset: str = PRESET_OPT,
 
 
 @app.command()
-def tune(op: str = typer.Argument(..., help="op to tune, e.g. score_stacked"),
+def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_stacked"),
+         all_: bool = typer.Option(False, "--all", help="every kernel call of the decode step "
+                                   "(--batch x --context, MTP --mtp) for each --formats pair; "
+                                   "each distinct config coordinate once, resumable"),
          preset: str = PRESET_OPT, batch: int = 8, context: str = "32K", rows: int = 4,
          index_format: str = "bf16", kv_format: str = "bf16",
+         mtp: Optional[int] = typer.Option(None, help="--all: MTP draft tokens (default: the "
+                                           "preset's)"),
+         formats: str = typer.Option("bf16/bf16,fp8/fp8,mxfp4/fp8",
+                                     help="--all: INDEX/KV pairs of the steps to cover"),
+         force: bool = typer.Option(False, help="--all: tune coordinates already tuned on "
+                                    "this device too"),
          max_candidates: int = typer.Option(48, help="cap on the candidates timed"),
          write: bool = typer.Option(False, help="store the winner in the config table"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""
     from qsa.measure.results import start_run
     from qsa.workbench.tune import tune as run_tune
+    from qsa.workbench.tune import tune_all
 
     ctx = _one_int(context)
+    if all_ == (op is not None):
+        raise typer.BadParameter("give either an op or --all")
+    if all_:
+        from qsa.workbench.step import step_calls
+
+        p = get_preset(preset)
+        steps = mtp if mtp is not None else p.mtp_draft_tokens
+        points = [c.point(p, batch, ctx) for pair in _format_pairs(formats)
+                  for c in step_calls(p, steps, *pair)]
+        with start_run("tune-all", root=out, extra={"batch": batch, "context": ctx,
+                                                     "mtp": steps, "formats": formats}) as run:
+            console.print(f"results (written as each shape is done): {run.directory}")
+
+            def keep(row: dict) -> None:
+                run.add(row)
+                run.flush()
+
+            df = tune_all(points, max_candidates=max_candidates, write=write, force=force,
+                          on_row=keep)
+        cols = [c for c in ("op", "index_format", "kv_format", "rows", "fmt", "bucket",
+                            "status", "current_us", "best_us", "gain", "noise_rel", "verdict")
+                if c in df]
+        _print_frame(df[cols], f"tune --all: {len(points)} step calls, batch {batch} x {ctx}")
+        return
     df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
                   index_format=index_format, kv_format=kv_format,
                   max_candidates=max_candidates, write=write)

@@ -172,3 +172,37 @@ def test_step_formats_option_refuses_bad_pairs():
         _format_pairs("fp8")
     with pytest.raises(typer.BadParameter, match="KV format 'mxfp4'"):
         _format_pairs("fp8/mxfp4")
+
+
+def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeypatch, tmp_path):
+    import torch
+    import triton
+
+    from qsa.configs import TABLE_DIR, write_entry
+    from qsa.measure.device import detect_device
+    from qsa.workbench.ops import Point
+
+    shutil.copytree(TABLE_DIR, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    points = [Point("score_stacked", TINY, 2, 160, 2), Point("score_stacked", TINY, 2, 160, 1),
+              Point("topk_expand", TINY, 2, 160, 2), Point("kv_store", TINY, 2, 160, 2, "bf16", "fp8")]
+    seen = []
+    df = tune_mod.tune_all(points, max_candidates=2, samples=1, progress=False,
+                           on_row=seen.append)
+    assert df["status"].tolist() == ["tuned", "same coordinate as shape 0", "tuned", "tuned"]
+    assert [r["status"] for r in seen] == df["status"].tolist()  # handed over as they finish
+    assert (df.loc[[0, 2, 3], "candidates"] == 2).all()
+    assert df.loc[0, "bucket"] == 40 and df.loc[0, "fmt"] == "bf16"  # score width, not rows
+    # An entry tuned at that coordinate on this device and versions is skipped on a rerun.
+    prov = {"tuned": True, "device": detect_device().name, "torch": torch.__version__,
+            "triton": triton.__version__}
+    write_entry("score_stacked", "default", "bf16", 40, BlockConfig({"BLOCK_N": 16,
+                "MAX_TILES": 4, "PROGRAMS_PER_UNIT": 1}), prov)
+    write_entry("topk", "default", "fp32", int(df.loc[2, "bucket"]),
+                get_config("topk", "default", "fp32", 1).config, {**prov, "triton": "0.0"})
+    again = tune_mod.tune_all(points[:3], max_candidates=2, samples=1, progress=False)
+    assert again["status"].tolist() == ["tuned earlier on this device",
+                                        "same coordinate as shape 0", "tuned"]
+    forced = tune_mod.tune_all(points[:1], max_candidates=2, samples=1, progress=False,
+                               force=True)
+    assert forced["status"].tolist() == ["tuned"]

@@ -38,6 +38,11 @@ class StepCall:
     index_format: str
     kv_format: str
 
+    def point(self, preset: ModelPreset, batch: int, context: int) -> Point:
+        """The measurable shape of this call in a step of `batch` requests at `context`."""
+        return Point(self.op, preset, batch, context, self.rows, self.index_format,
+                     self.kv_format)
+
 
 def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
                draft_index_format: str = "bf16", draft_kv_format: str = "bf16"
@@ -72,8 +77,7 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
 
         calls = tqdm(calls, desc="step kernels", unit="kernel")
     for c in calls:
-        prep = prepare(Point(c.op, p, batch, context, c.rows, c.index_format, c.kv_format),
-                       device)
+        prep = prepare(c.point(p, batch, context), device)
         rec = measure_prepared(prep, samples=samples)
         preps.append((c, prep))
         rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,

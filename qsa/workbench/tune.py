@@ -15,17 +15,17 @@ import datetime as dt
 import itertools
 import json
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import torch
 
-from qsa.configs import BlockConfig, get_config, write_entry
-from qsa.kernels.common import backend_and_arch
+from qsa.configs import BlockConfig, get_config, load_table, write_entry
+from qsa.kernels.common import Lookup, backend_and_arch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
-from qsa.workbench.ops import (KERNEL_OF, Point, config_coordinate, measure_prepared,
-                               prepare)
+from qsa.workbench.ops import (KERNEL_OF, Point, Prepared, config_coordinate,
+                               measure_prepared, prepare)
 
 WARPS = (2, 4, 8)
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
@@ -69,9 +69,18 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     bucket: the fastest candidate if it beats the current entry by more than that noise,
     otherwise the current entry, confirmed."""
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
-    prep = prepare(point, device)
+    return tune_prepared(prepare(point, device), max_candidates=max_candidates,
+                         samples=samples, write=write, progress=progress)
+
+
+def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates: int = 48,
+                  samples: int | None = None, write: bool = False, progress: bool = True
+                  ) -> pd.DataFrame:
+    """`tune` on a prepared point; `coord` is its config coordinate when already known."""
+    point = prep.point
+    op = point.op
     backend, arch = backend_and_arch()
-    coord = config_coordinate(prep)  # where the kernel itself looks its entry up
+    coord = coord or config_coordinate(prep)  # where the kernel itself looks its entry up
     current = get_config(coord.kernel, arch, coord.fmt, coord.size)
     space = config_space(op, current.config, backend, max_candidates)
     rows_out: list[dict[str, Any]] = []
@@ -79,7 +88,7 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(space, desc=f"tune {op}", unit="cfg")
+        it = tqdm(space, desc=f"tune {op}", unit="cfg", leave=False)
     for i, cfg in enumerate(it):
         rec: dict[str, Any] = {"candidate": i, "is_current": i == 0,
                                "config": json.dumps(cfg.as_dict(), sort_keys=True)}
@@ -100,6 +109,74 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     if write:
         write_winner(df, op, arch, coord.fmt, coord.size)
     return df
+
+
+def tuned_here(coord: Lookup, arch: str) -> bool:
+    """Whether the table already holds an entry tuned at exactly this coordinate on this
+    device with these torch/Triton versions: `tune_all`'s resume state is the tables
+    themselves, so a killed run, started again, goes on where it stopped."""
+    import triton
+
+    try:
+        entry = load_table(coord.kernel)[arch][coord.fmt][str(coord.size)]
+    except KeyError:
+        return False
+    prov = entry.get("provenance", {})
+    return (bool(prov.get("tuned")) and prov.get("device") == detect_device().name
+            and prov.get("torch") == torch.__version__
+            and prov.get("triton") == triton.__version__)
+
+
+def tune_all(points: list[Point], *, device: str | None = None, max_candidates: int = 24,
+             samples: int | None = None, write: bool = False, force: bool = False,
+             progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None
+             ) -> pd.DataFrame:
+    """Tune every distinct (kernel, format, bucket) coordinate the points hit, once each; one
+    summary row per point: tuned (current and best µs, the current entry's repeat noise, the
+    verdict written), the same coordinate as an earlier point, done earlier (`tuned_here`,
+    unless `force`), or the error. Timings of a coordinate come from one process and GPU.
+    `on_row` receives each row as it is done (a killed run keeps what it recorded)."""
+    _, arch = backend_and_arch()
+    done: dict[tuple[str, str, int], int] = {}
+    rows: list[dict[str, Any]] = []
+    it = points
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(points, desc="tune --all", unit="shape")
+    for i, point in enumerate(it):
+        row: dict[str, Any] = {**point.as_record(), "kernel": KERNEL_OF[point.op]}
+        try:
+            prep = prepare(point, device)
+            coord = config_coordinate(prep)
+            key = (coord.kernel, coord.fmt, coord.size)
+            row.update(fmt=coord.fmt, bucket=coord.size)
+            if key in done:
+                row["status"] = f"same coordinate as shape {done[key]}"
+            elif not force and tuned_here(coord, arch):
+                row["status"] = "tuned earlier on this device"
+            else:
+                df = tune_prepared(prep, coord, max_candidates=max_candidates, samples=samples,
+                                   write=write, progress=progress)
+                ok = df[df["status"] == "ok"]
+                cur = ok[ok["is_current"]]
+                row.update(status="tuned", candidates=len(df), verified=len(ok),
+                           current_us=float(cur["us"].iloc[0]) if len(cur) else float("nan"),
+                           best_us=float(ok["us"].min()) if len(ok) else float("nan"),
+                           noise_rel=float(cur["noise_rel"].iloc[0]) if len(cur) else
+                           float("nan"))
+                if write:
+                    prov = get_config(coord.kernel, arch, coord.fmt, coord.size).provenance
+                    row.update(verdict=prov.get("verdict"), written_us=prov.get("us"))
+            done.setdefault(key, i)
+        except Exception as e:  # one failing shape is recorded; the others still run
+            row.update(status=type(e).__name__, error=_short(e))
+        if "best_us" in row:
+            row["gain"] = row["current_us"] / row["best_us"]
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return pd.DataFrame(rows)
 
 
 def _short(e: BaseException) -> str:
