@@ -58,7 +58,7 @@ def ceilings(out: Path = typer.Option(Path("profiles"), help="profiles root"),
              ) -> None:
     """Copy bandwidth and matrix rates of this device: the committed ones, or measured."""
     from qsa.measure.device import detect_device, load_or_measure_ceilings, measure_ceilings
-    from qsa.measure.results import atomic_write_bytes
+    from qsa.measure.files import atomic_write_bytes
 
     dev = detect_device()
     if not dev.is_gpu:

@@ -117,7 +117,7 @@ def run_layout(bench: Bench, n: int, n_sets: int, samples: int, pin: bool) -> li
           timed(lambda i: host[i].copy_(dev[i], non_blocking=pin), n_sets, nbytes, samples))
     point("copy_h2d", "consecutive", "plain",
           timed(lambda i: into.copy_(host[i], non_blocking=pin), n_sets, nbytes, samples))
-    del host
+    host = None  # free it before the next size
 
     patterns = [("consecutive", "auto")]
     if n > 1:
@@ -135,7 +135,7 @@ def run_layout(bench: Bench, n: int, n_sets: int, samples: int, pin: bool) -> li
             arena.free(off.restore(stored[i], dst))
 
         point("restore", pattern, strategy, timed(restore, n_sets, nbytes, samples))
-        del stored
+        stored = None
     return rows
 
 

@@ -193,3 +193,16 @@ def check_index_planes(cache: dict[str, torch.Tensor], fmt: str, dim: int, block
     require_dtype(scales, "index_compressed_scale", (lay.scale_dtype,))
     require_inner_contiguous(scales, "index_compressed_scale", scales.dim() - 1)
     return keys, scales
+
+
+@lru_cache(maxsize=None)
+def _unit_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def unit_count(device: torch.device) -> int:
+    """SMs / CUs of the device; 1 under the interpreter (its grids run one program at a time,
+    so tests stay small)."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    return _unit_count(device.index if device.index is not None else torch.cuda.current_device())

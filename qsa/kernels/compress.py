@@ -34,7 +34,7 @@ from qsa.formats import FP8_DTYPES, FormatError, check_index_format, fp8_max, in
 from qsa.kernels.common import (KernelInputError, check_index_planes, data_checks_enabled,
                                 interpreting, kernel_repr, lookup, require, require_dtype,
                                 require_inner_contiguous)
-from qsa.measure.roofline import Work
+from qsa.measure.work import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -49,8 +48,8 @@ import triton.language as tl
 from qsa.configs import BlockConfig
 from qsa.formats import MX_GROUP, FormatError, check_index_format
 from qsa.kernels.common import (KernelInputError, check_index_planes, data_checks_enabled,
-                                interpreting, require, require_dtype, require_inner_contiguous,
-                                storage_dtypes)
+                                require, require_dtype, require_inner_contiguous,
+                                storage_dtypes, unit_count)
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
 
@@ -379,19 +378,6 @@ def rows_per_request_bound(inp: ScoreInputs, hint: int | None, limit: int) -> in
                                     f"more than the hint {hint}")
     require(rmax <= limit, f"rows per request: {rmax}, this kernel takes at most {limit}")
     return max(rmax, 1)
-
-
-@lru_cache(maxsize=None)
-def _unit_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def unit_count(device: torch.device) -> int:
-    """SMs / CUs of the device; 1 under the interpreter (its grids run one program at a time,
-    so tests stay small)."""
-    if interpreting() or device.type != "cuda":
-        return 1
-    return _unit_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def plan_tiles(items: int, width: int, block_n: int, programs_per_unit: int, max_tiles: int,

@@ -21,7 +21,7 @@ from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format, fp8_max
 from qsa.kernels.common import (KernelInputError, kernel_repr, kv_code_planes, kv_scale_planes,
                                 lookup, require, require_dtype, require_inner_contiguous)
-from qsa.measure.roofline import Work
+from qsa.measure.work import Work
 from qsa.presets import ModelPreset
 
 KERNEL = "kv_quant"

@@ -20,7 +20,7 @@ from qsa.kernels.common import kernel_repr, lookup
 from qsa.kernels.index_tiles import (key_col_scale, key_rows, load_dense, load_mx_halves,
                                      load_mx_scale, plan_tiles, prepare_inputs, score_work,
                                      split_config)
-from qsa.measure.roofline import Work
+from qsa.measure.work import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
 

@@ -32,7 +32,7 @@ from qsa.kernels.index_tiles import (MIN_MMA_M, key_col_scale, key_rows, load_de
                                      load_mx_block, load_mx_scale, plan_tiles, prepare_inputs,
                                      row_visibility, rows_per_request_bound, score_work,
                                      split_config, store_scores)
-from qsa.measure.roofline import Work
+from qsa.measure.work import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
 

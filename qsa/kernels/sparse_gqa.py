@@ -23,7 +23,6 @@ Design, and why:
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import torch
 import triton
@@ -31,10 +30,10 @@ import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format
-from qsa.kernels.common import (KernelInputError, interpreting, kernel_repr, kv_code_planes,
+from qsa.kernels.common import (KernelInputError, kernel_repr, kv_code_planes,
                                 kv_scale_planes, lookup, require, require_dtype,
-                                require_inner_contiguous, storage_dtypes)
-from qsa.measure.roofline import Work
+                                require_inner_contiguous, storage_dtypes, unit_count)
+from qsa.measure.work import Work
 from qsa.paging import BatchError, PagedBatch
 from qsa.presets import ModelPreset
 
@@ -274,15 +273,6 @@ def _check_values(cache: dict[str, torch.Tensor], batch: PagedBatch,
                                f"request context of {int(ctx[r])} tokens")
 
 
-@lru_cache(maxsize=None)
-def _unit_count(device: torch.device) -> int:
-    """SMs (NVIDIA) or CUs (AMD) of the device; 1 without a GPU (the interpreter runs one
-    program at a time, so splitting never pays there)."""
-    if device.type != "cuda" or interpreting():
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_splits(units: int, width: int, block_n: int, unit_count: int,
                   programs_per_sm: int, min_blocks: int) -> int:
     """Splits of each (row, KV head) token list so that the grid fills, in one wave, the
@@ -306,7 +296,7 @@ def _auto_splits(host: dict[str, int], units: int, width: int, block_n: int,
         return host["NUM_SPLITS"]
     if "SPLIT_RESIDENT_PER_SM" not in host:
         return 1
-    return choose_splits(units, width, block_n, _unit_count(device),
+    return choose_splits(units, width, block_n, unit_count(device),
                          host["SPLIT_RESIDENT_PER_SM"], host.get("SPLIT_MIN_BLOCKS", 1))
 
 

@@ -47,7 +47,7 @@ import triton.language as tl
 from qsa.configs import BlockConfig
 from qsa.kernels.common import kernel_repr, lookup, require, require_dtype
 from qsa.kernels.common import data_checks_enabled
-from qsa.measure.roofline import Work
+from qsa.measure.work import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa.measure.results import atomic_write_bytes
+from qsa.measure.files import atomic_write_bytes
 from qsa.measure.timing import Timing, time_fn
 
 MiB = 1 << 20
@@ -266,7 +266,7 @@ def measure_ceilings(device: DeviceInfo, *, buffer_bytes: int = 2 * GiB, matmul_
     read_gbps = 4 * n / read.median_us / 1e3
     method["copy"] = _method_entry(copy, bytes_per_call=8 * n, kernel="triton large-grid copy")
     method["read"] = _method_entry(read, bytes_per_call=4 * n, kernel="triton block-sum")
-    del src, dst, partial
+    src = dst = partial = None  # free the buffers before the matmul inputs
 
     flops = 2 * matmul_n**3
     a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
@@ -297,7 +297,7 @@ def measure_ceilings(device: DeviceInfo, *, buffer_bytes: int = 2 * GiB, matmul_
             fp8_tflops = flops / fp8.median_us / 1e6
             fp8_note = str(device.fp8_dtype).removeprefix("torch.")
             method["fp8"] = _method_entry(fp8, n=matmul_n, op="torch._scaled_mm")
-    del a, b, c
+    a = b = c = None  # free the matmul buffers
     torch.cuda.empty_cache()
     return Ceilings(device_slug=device.slug, copy_gbps=copy_gbps, read_gbps=read_gbps,
                     bf16_tflops=bf16_tflops, fp8_tflops=fp8_tflops, fp8_note=fp8_note,

@@ -8,7 +8,6 @@ mid-write never leaves a half-written file where a good one was (temp file, fsyn
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime as dt
 import io
@@ -18,7 +17,6 @@ import platform
 import re
 import secrets
 import subprocess
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -27,7 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from qsa.measure.files import atomic_write_bytes
+
 if TYPE_CHECKING:
+    import argparse
+
     from qsa.measure.device import DeviceInfo
 
 RESULTS_FILE = "results.parquet"
@@ -36,27 +38,6 @@ RUN_FILE = "run.json"
 RUN_COLUMNS = ("run_id", "device", "kind")
 _VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 _REPO = Path(__file__).resolve().parents[2]
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` so readers see the old file or the new one, never a mix."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # makes the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 def env_toggles(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -253,7 +234,7 @@ def write_rows(out_dir: str | Path, stem: str, rows: Iterable[Mapping[str, Any]]
     atomic_write_bytes(out / f"{stem}.csv", buf.getvalue().encode())
 
 
-def bench_parser(description: str, quick_help: str) -> "argparse.ArgumentParser":
+def bench_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
     """The options every benchmark script shares: --out, --quick, --smoke, --copy-gbps,
     --preset. `parse_bench_args` refuses a GPU-less run that is not a --smoke run."""
     import argparse
@@ -270,7 +251,7 @@ def bench_parser(description: str, quick_help: str) -> "argparse.ArgumentParser"
 
 
 def parse_bench_args(ap: "argparse.ArgumentParser", argv: list[str] | None
-                     ) -> "argparse.Namespace":
+                     ) -> argparse.Namespace:
     import torch
 
     args = ap.parse_args(argv)

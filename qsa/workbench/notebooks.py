@@ -1,136 +1,28 @@
-"""Run the workbench notebooks with papermill, and the small helpers the notebooks share.
-
-Notebooks live in git as jupytext percent-format `.py` files, so reviews read diffs, not JSON.
-At run time a `.py` notebook is read into a NotebookNode and handed to papermill with an
-explicit kernel name: a script carries no kernelspec, and the kernel must be the Python that
-has qsa installed.
+"""The small helpers the workbench notebooks share (device set-up, grids, presets, banners,
+stored results, inline figures), and, re-exported from `notebook_run`, how a notebook is run
+with papermill: notebooks and tests reach all of it as `qsa.workbench.notebooks`.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qsa.workbench.notebook_run import (DEFAULT_KERNEL, NOTEBOOK_DIR, PARAMETERS_TAG,  # noqa: F401
+                                        NotebookError, check_kernel, execute_notebook,
+                                        notebook_parameters, notebook_path, parameters_cell,
+                                        read_notebook)
+
 if TYPE_CHECKING:
-    import nbformat
     import pandas as pd
 
     from qsa.measure.device import DeviceInfo
     from qsa.presets import ModelPreset
 
-DEFAULT_KERNEL = "python3"
-PARAMETERS_TAG = "parameters"
-# Where the notebooks are in a source checkout (the package itself does not ship them).
-NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 FUNCTIONAL_NOTE = "functional run - times mean nothing"
-
-
-class NotebookError(ValueError):
-    """A notebook or its parameters are not usable as given."""
-
-
-def notebook_path(name: str | Path) -> Path:
-    """`decode_scoring_sweep` -> notebooks/decode_scoring_sweep.py; existing paths pass through."""
-    path = Path(name)
-    if path.suffix in (".py", ".ipynb") and path.exists():
-        return path
-    candidate = NOTEBOOK_DIR / f"{path.stem}.py"
-    if candidate.exists():
-        return candidate
-    raise NotebookError(f"no notebook {str(name)!r} (looked for it as a path and as "
-                        f"{candidate})")
-
-
-def read_notebook(path: str | Path) -> nbformat.NotebookNode:
-    """A `.py` (jupytext percent) or `.ipynb` notebook as a NotebookNode (nbformat 4)."""
-    path = Path(path)
-    if path.suffix == ".ipynb":
-        import nbformat
-
-        return nbformat.read(path, as_version=4)
-    import jupytext
-
-    return jupytext.read(path)
-
-
-def parameters_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The one code cell tagged `parameters`; papermill injects its values right after it."""
-    cells = [c for c in nb.cells
-             if c.cell_type == "code" and PARAMETERS_TAG in c.get("metadata", {}).get("tags", [])]
-    if len(cells) != 1:
-        raise NotebookError(f"a notebook needs exactly one code cell tagged "
-                            f"{PARAMETERS_TAG!r}, found {len(cells)}")
-    return cells[0]
-
-
-def notebook_parameters(nb_or_path: nbformat.NotebookNode | str | Path) -> dict[str, str]:
-    """Parameter names of a notebook and the source text of their defaults, in cell order."""
-    nb = nb_or_path if not isinstance(nb_or_path, (str, Path)) else read_notebook(nb_or_path)
-    source = parameters_cell(nb).source
-    out: dict[str, str] = {}
-    for node in ast.parse(source).body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        for target in targets:
-            if isinstance(target, ast.Name):
-                out[target.id] = ast.get_source_segment(source, node.value) or ""
-    return out
-
-
-def check_kernel(kernel_name: str) -> None:
-    """Fail early, with the fix, when the Jupyter kernel is missing or runs another Python.
-
-    A `python3` spec installed with `--user` for some other interpreter shadows the venv's own
-    and would run the notebook without this qsa (or with another copy of it).
-    """
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-
-    fix = (f"install one for this Python with: {sys.executable} -m ipykernel install "
-           f"--sys-prefix --name {kernel_name}")
-    try:
-        spec = KernelSpecManager().get_kernel_spec(kernel_name)
-    except NoSuchKernel:
-        raise NotebookError(f"no Jupyter kernel named {kernel_name!r}; {fix}") from None
-    exe = spec.argv[0] if spec.argv else ""
-    if (spec.language.lower() == "python" and os.path.isabs(exe)
-            and os.path.realpath(exe) != os.path.realpath(sys.executable)):
-        raise NotebookError(f"Jupyter kernel {kernel_name!r} ({spec.resource_dir}) runs {exe}, "
-                            f"not this Python ({sys.executable}). Remove or fix that spec, or "
-                            f"install one under another name ({sys.executable} -m ipykernel "
-                            "install --user --name qsa) and pass kernel_name='qsa' (a sweep "
-                            "spec's kernel_name)")
-
-
-def execute_notebook(path: str | Path, output_path: str | Path | None,
-                     parameters: Mapping[str, Any] | None = None, *,
-                     kernel_name: str = DEFAULT_KERNEL, cwd: str | Path | None = None,
-                     timeout_s: float | None = None, log_output: bool = False
-                     ) -> nbformat.NotebookNode:
-    """Execute a notebook with papermill and return the executed NotebookNode.
-
-    Unknown parameter names are an error here (papermill only warns, so a typo in a sweep spec
-    would silently measure the defaults). On a failing cell papermill saves the notebook with
-    the error and raises `PapermillExecutionError` (ename, evalue, cell_index); that propagates.
-    """
-    import papermill
-
-    nb = read_notebook(path)
-    params = dict(parameters or {})
-    unknown = sorted(set(params) - set(notebook_parameters(nb)))
-    if unknown:
-        raise NotebookError(f"{path}: unknown parameters {unknown}; the notebook takes "
-                            f"{sorted(notebook_parameters(nb))}")
-    check_kernel(kernel_name)
-    if output_path is not None:
-        Path(output_path).parent.mkdir(parents=True, exist_ok=True)
-    return papermill.execute_notebook(
-        nb, None if output_path is None else str(output_path), parameters=params,
-        kernel_name=kernel_name, language="python", cwd=None if cwd is None else str(cwd),
-        progress_bar=False, log_output=log_output, execution_timeout=timeout_s)
 
 
 # --- helpers used inside the notebooks ---------------------------------------------------------

@@ -29,6 +29,8 @@ from qsa.reference import (rope_inv_freq, score_reference, sparse_gqa_reference,
                            topk_expand_reference)
 from qsa.reference.compress import completed_groups
 from qsa.reference.pipeline import pass_start_positions, row_slots
+from qsa.tolerances import (ATTENTION_ATOL, ATTENTION_RTOL, CODE_MISMATCH,
+                            INTERPRETER_FP8_MISMATCH, SCORE_ATOL, SCORE_RTOL)
 
 OPS: tuple[str, ...] = ("score_stacked", "score_rowwise", "score_prefill", "topk_expand",
                         "compress", "kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
@@ -171,7 +173,6 @@ def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 # Under the interpreter, in-kernel fp32 -> fp8 casts drop rounding carries (a code comes out at
 # half its value, triton-lang/triton #8322) for a few percent of elements.
-INTERPRETER_FP8_MISMATCH = 0.08
 
 
 def assert_codes_match(name: str, got: torch.Tensor, want: torch.Tensor,
@@ -222,7 +223,7 @@ def _prepare_score(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     def check(cfg: BlockConfig | None) -> None:
         poison_(outs[0])
         # bf16 queries and MMA operands against an FP32 reference
-        assert_close(point.op, call(0, cfg), want, atol=3e-2, rtol=3e-2)
+        assert_close(point.op, call(0, cfg), want, atol=SCORE_ATOL, rtol=SCORE_RTOL)
 
     return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 
@@ -288,7 +289,8 @@ def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         for k, plane in want.items():  # and no other slot touched, bit for bit
             if not same_values(sets[0][k][others], plane[others]):
                 raise VerificationError(f"compress: {k} changed outside the groups of this pass")
-        frac = INTERPRETER_FP8_MISMATCH if fmt == "fp8" and _interpreting(device) else 0.01
+        frac = (INTERPRETER_FP8_MISMATCH if fmt == "fp8" and _interpreting(device)
+                else CODE_MISMATCH)
         assert_codes_match("compress", got[blk, off], ref[blk, off], frac)
 
     return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
@@ -349,7 +351,8 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
 
     def check(cfg: BlockConfig | None) -> None:
         poison_(outs[0])
-        assert_close(point.op, call(0, cfg), want, atol=2e-2, rtol=2e-2)
+        assert_close(point.op, call(0, cfg), want, atol=ATTENTION_ATOL,
+                     rtol=ATTENTION_RTOL)
 
     return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
 

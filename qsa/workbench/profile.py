@@ -58,7 +58,7 @@ def profile_point(point: Point, profiler: str, out_dir: Path, steps: int = 50
         launches = read_rocprof_output(out_dir)
     summarize(launches).to_csv(out_dir / "kernels.csv", index=False)  # per kernel and step
     # One distribution per kernel over all captured steps for the comparison.
-    return compare(rec, summarize([dataclasses.replace(k, region=None) for k in launches]))
+    return crosscheck(rec, summarize([dataclasses.replace(k, region=None) for k in launches]))
 
 
 def run_roctx_steps(point: Point, steps: int) -> None:
@@ -74,7 +74,7 @@ def run_roctx_steps(point: Point, steps: int) -> None:
     torch.cuda.synchronize()
 
 
-def compare(rec: dict[str, Any], summary: pd.DataFrame) -> dict[str, Any]:
+def crosscheck(rec: dict[str, Any], summary: pd.DataFrame) -> dict[str, Any]:
     """The timing module's median against the profiler's median of the op's main kernel (the
     kernel with the most device time; a split kernel's merge shows as its own row)."""
     main = summary.sort_values("total_us", ascending=False).iloc[0]

@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from qsa.workbench.notebooks import (DEFAULT_KERNEL, NotebookError, execute_notebook,
-                                     notebook_parameters, notebook_path)
+from qsa.workbench.notebook_run import (DEFAULT_KERNEL, NotebookError, execute_notebook,
+                                        notebook_parameters, notebook_path)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -162,7 +162,7 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 @dataclass(frozen=True)
-class Point:
+class SweepPoint:
     name: str
     directory: Path
     parameters: dict[str, Any]
@@ -188,7 +188,7 @@ def _digest(obj: Any, n: int = 10) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
-def expand_points(spec: SweepSpec, sweep_dir: Path) -> list[Point]:
+def expand_points(spec: SweepSpec, sweep_dir: Path) -> list[SweepPoint]:
     """One point per grid combination, named `<dim>=<value>__...` in grid order."""
     dims = list(spec.grid)
     points, seen = [], set()
@@ -200,7 +200,7 @@ def expand_points(spec: SweepSpec, sweep_dir: Path) -> list[Point]:
         if len(name) > 120 or name in seen:  # long or ambiguous after slugging
             name = f"{name[:100]}__{_digest(identity)}"
         seen.add(name)
-        points.append(Point(name, sweep_dir / "points" / name, params, identity))
+        points.append(SweepPoint(name, sweep_dir / "points" / name, params, identity))
     return points
 
 
@@ -229,7 +229,7 @@ def read_marker(point_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def is_done(point: Point, version: str) -> bool:
+def is_done(point: SweepPoint, version: str) -> bool:
     """A point counts as done only when it passed with the same parameters and code."""
     m = read_marker(point.directory)
     return (m is not None and m.get("status") == "passed" and m.get("code_version") == version
@@ -344,7 +344,7 @@ def _utc_now() -> str:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    from qsa.measure.results import atomic_write_bytes
+    from qsa.measure.files import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=True, default=str)
                               + "\n").encode())
@@ -372,7 +372,7 @@ def _child_env(slot: Slot, spec_env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in slot.unset}
 
 
-def run_point(point: Point, spec: SweepSpec, version: str, slot: Slot,
+def run_point(point: SweepPoint, spec: SweepSpec, version: str, slot: Slot,
               stop: threading.Event | None = None) -> dict[str, Any]:
     """Run one point in its own process and return its marker; one retry on the port race."""
     marker: dict[str, Any] = {}
@@ -407,9 +407,9 @@ def run_point(point: Point, spec: SweepSpec, version: str, slot: Slot,
     return marker
 
 
-def _marker(point_or_params: Point | Mapping[str, Any], version: str, slot: Slot | str,
+def _marker(point_or_params: SweepPoint | Mapping[str, Any], version: str, slot: Slot | str,
             status: str, **extra: Any) -> dict[str, Any]:
-    identity = (point_or_params.identity if isinstance(point_or_params, Point)
+    identity = (point_or_params.identity if isinstance(point_or_params, SweepPoint)
                 else point_or_params["identity"])
     return {"status": status, "identity": identity, "code_version": version,
             "slot": slot if isinstance(slot, str) else slot.label, "finished_at": _utc_now(),
@@ -502,7 +502,7 @@ def load_sweep(sweep_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
 def _write_table(df: pd.DataFrame, sweep_dir: Path) -> Path | None:
     import io
 
-    from qsa.measure.results import atomic_write_bytes
+    from qsa.measure.files import atomic_write_bytes
 
     if df.empty:
         return None
@@ -573,7 +573,7 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
         free.put(s)
     stop = threading.Event()
 
-    def work(point: Point) -> tuple[Point, dict[str, Any]]:
+    def work(point: SweepPoint) -> tuple[SweepPoint, dict[str, Any]]:
         slot = free.get()
         try:
             return point, run_point(point, spec, version, slot, stop)
