@@ -20,10 +20,15 @@
 # float32 reference and times the ones that pass. The heat map shows the best time over the
 # two knobs that vary most; the winner is boxed.
 #
-# **Keeping the winner:** set `write_winner = True` on a GPU. The tuner writes the fastest
-# verified config into `qsa/configs/tables/<kernel>.json` for this arch, format and shape
-# bucket, with provenance (device, date, versions, µs and the previous entry's µs). Interpreter
-# timings are never written.
+# **Trying one config:** set `config` to the changes you want against the current entry (JSON
+# text or a dict, e.g. `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`); the run then times just
+# that config and the current entry, side by side in one process.
+#
+# **Keeping the winner:** set `write_winner = True` on a GPU. The last cell writes the fastest
+# verified config into `qsa/configs/tables/<kernel>.json` at the table coordinate the kernel
+# itself looks up for this shape, with provenance (device, date, versions, µs and the previous
+# entry's µs), but only when it beats the current entry beyond the run's noise; otherwise the
+# current entry is written back as confirmed. Interpreter timings are never written.
 #
 # The CPU default tunes a tiny shape over a few candidates under the Triton interpreter: a
 # functional check, times mean nothing.
@@ -38,6 +43,7 @@ index_format = "bf16"
 kv_format = "bf16"
 profile = "cpu-smoke"  # "cpu-smoke": tiny shape, few candidates; "gpu": a real decode shape
 max_candidates = None  # None: the profile's (cpu-smoke 4, gpu 48)
+config = None  # changes to try against the current entry (JSON or dict); None: the whole space
 write_winner = False  # True: store the winner in the config table (GPU only)
 samples = None  # timing samples per candidate; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
@@ -54,7 +60,7 @@ from qsa.configs import table_path
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import plots
 from qsa.workbench.ops import KERNEL_OF, OPS
-from qsa.workbench.tune import tune
+from qsa.workbench import tune as tuner
 
 PROFILES = {
     "cpu-smoke": {"batch": 1, "context": 512, "rows": 4, "max_candidates": 4, "samples": 1},
@@ -68,21 +74,20 @@ shape = {k: (v if v is not None else PROFILES[profile][k]) for k, v in
          {"batch": batch, "context": context, "rows": rows}.items()}
 n_candidates = max_candidates or PROFILES[profile]["max_candidates"]
 samples = samples if samples is not None else PROFILES[profile]["samples"]
+tries = None if config is None else [json.loads(config) if isinstance(config, str) else config]
 wb.banner(dev)
 print(op, shape, f"index {index_format}, kv {kv_format}, up to {n_candidates} candidates")
 
 # %%
-df = tune(op, preset=preset, **shape, index_format=index_format, kv_format=kv_format,
-          device=None if dev.is_gpu else "cpu", max_candidates=n_candidates, samples=samples,
-          write=write_winner, progress=False)
+df = tuner.tune(op, preset=preset, **shape, index_format=index_format, kv_format=kv_format,
+                device=None if dev.is_gpu else "cpu", max_candidates=n_candidates,
+                samples=samples, progress=False, candidates=tries)
 with start_run("config-tuning", root=results_root, device=dev,
                extra={"notebook": "block_config_tuning", "op": op, "shape": shape,
                       "write_winner": write_winner}) as run:
     run.add_many(df.to_dict("records"))
 df, meta = load_run(run.directory)
 print("results:", run.directory)
-if write_winner:
-    print("winner written to", table_path(KERNEL_OF[op]))
 
 # %% [markdown]
 # ## Candidates
@@ -92,16 +97,20 @@ if write_winner:
 # %%
 wide = plots.expand_config(df)
 knobs = [c for c in wide.columns if c not in df.columns]
-ok = wide[wide["status"] == "ok"].sort_values("us")
-print(f"{len(ok)} of {len(df)} candidates verified; current entry first in the table below")
+print(f"{(df['status'] == 'ok').sum()} of {len(df)} candidates verified")
 display(wide[["candidate", "is_current", "status", "us", *knobs]].round(3))
-if len(ok):
-    best = ok.iloc[0]
-    current = wide[wide["is_current"] & (wide["status"] == "ok")]
-    print("winner:", json.loads(best["config"]), f"{best['us']:.3f} µs")
-    if len(current):
-        print(f"current entry: {current['us'].iloc[0]:.3f} µs "
-              f"(winner speedup {current['us'].iloc[0] / best['us']:.3f}x)")
+
+# %% [markdown]
+# ## Ranked, with noise bands
+# Fastest first. `p10_us`..`p90_us` is each candidate's spread over its samples; `vs_current`
+# is its speedup over the current entry, and `beyond_noise` says whether that speedup is larger
+# than this run's noise (`noise_rel`: the current entry timed twice, and the spreads), the rule
+# the last cell writes by.
+
+# %%
+rank = tuner.ranked(wide)
+display(rank[["candidate", "is_current", "us", "p10_us", "p90_us", "vs_current",
+              "beyond_noise", "noise_rel", *knobs]].round(3))
 
 # %% [markdown]
 # ## Heat map
@@ -111,3 +120,18 @@ out = wb.figures_dir(run.directory, figures_dir)
 figs = plots.figures_for(df, "config-tuning", out, [meta])
 wb.show(*figs)
 print(f"{sum(len(f.paths) for f in figs)} figure files in {out}")
+
+# %% [markdown]
+# ## Keeping the winner
+# Runs only with `write_winner = True` (GPU timings only).
+
+# %%
+if write_winner:
+    from qsa.kernels.common import backend_and_arch
+
+    kept = tuner.write_winner(df, op, backend_and_arch()[1], str(df["kernel_fmt"].iloc[0]),
+                        int(df["bucket"].iloc[0]))
+    print("written to", table_path(KERNEL_OF[op]), "at bucket", int(df["bucket"].iloc[0]), ":",
+          kept.as_dict())
+else:
+    print("write_winner is False: the table is unchanged")

@@ -199,3 +199,15 @@ def test_decode_notebook_on_gpu_times_with_graphs_and_rooflines(tmp_path: Path) 
     assert "times mean nothing" not in svg
     print(json.dumps(df.groupby(["index_format", "batch", "context", "op"])["us"].median()
                      .round(2).reset_index().to_dict("records")))
+
+
+def test_tuning_notebook_tries_one_config_against_the_current_entry(workdir: Path) -> None:
+    root = workdir / "one-config"
+    nb = run("block_config_tuning", workdir, results_root=str(root),
+             config='{"num_warps": 2, "meta": {"BLOCK_N": 16}}')
+    df = load_runs(root, kind="config-tuning")
+    assert len(df) == 2 and df["is_current"].tolist() == [True, False]
+    assert '"num_warps": 2' in df["config"].iloc[1] and '"BLOCK_N": 16' in df["config"].iloc[1]
+    shown = "".join(str(o.get("data", {}).get("text/plain", "")) for c in nb.cells
+                    for o in c.get("outputs", []))
+    assert "beyond_noise" in shown and "table is unchanged" in outputs_text(nb)

@@ -206,3 +206,18 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
     forced = tune_mod.tune_all(points[:1], max_candidates=2, samples=1, progress=False,
                                force=True)
     assert forced["status"].tolist() == ["tuned"]
+
+
+def test_with_changes_refuses_unknown_keys_and_ranked_marks_the_noise():
+    base = BlockConfig({"BLOCK_N": 64}, 4, 2)
+    assert tune_mod.with_changes(base, {"meta": {"BLOCK_N": 32}, "num_warps": 8}) == \
+        BlockConfig({"BLOCK_N": 32}, 8, 2)
+    with pytest.raises(ValueError, match="unknown keys"):
+        tune_mod.with_changes(base, {"warps": 8})
+    with pytest.raises(ValueError, match="BLOKC_N"):
+        tune_mod.with_changes(base, {"meta": {"BLOKC_N": 32}})
+    df, _ = _tuned([10.0, 9.9], [0.1, 0.1], noise_rel=0.03)  # 1% faster, 3% repeat noise
+    r = tune_mod.ranked(df)
+    assert r["us"].tolist() == [9.9, 10.0] and not r["beyond_noise"].any()
+    df, _ = _tuned([10.0, 8.0], [0.1, 0.1], noise_rel=0.03)
+    assert tune_mod.ranked(df)["beyond_noise"].tolist() == [True, False]

@@ -63,26 +63,52 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
          rows: int,
          index_format: str = "bf16", kv_format: str = "bf16", device: str | None = None,
          max_candidates: int = 48, samples: int | None = None, write: bool = False,
-         progress: bool = True) -> pd.DataFrame:
+         progress: bool = True, candidates: list[dict[str, Any]] | None = None
+         ) -> pd.DataFrame:
     """Time every candidate on one shape (the current entry first, timed twice so the run knows
     its own noise); with `write`, store the result in the table for this arch, format and shape
     bucket: the fastest candidate if it beats the current entry by more than that noise,
-    otherwise the current entry, confirmed."""
+    otherwise the current entry, confirmed. `candidates`: changes to the current entry to try
+    instead of the derived space (see `with_changes`)."""
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
     return tune_prepared(prepare(point, device), max_candidates=max_candidates,
-                         samples=samples, write=write, progress=progress)
+                         samples=samples, write=write, progress=progress, candidates=candidates)
+
+
+def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
+    """`base` with some values changed: `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`. Keys are
+    checked by name, so a typo is an error rather than an untested default."""
+    unknown = set(changes) - {"meta", "num_warps", "num_stages", "amd"}
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)} (meta, num_warps, "
+                         "num_stages, amd)")
+    new_meta = set(changes.get("meta", {})) - set(base.meta)
+    if new_meta:
+        raise ValueError(f"config: meta keys {sorted(new_meta)} are not in the current entry "
+                         f"({sorted(base.meta)})")
+    d = base.as_dict()
+    d["meta"].update(changes.get("meta", {}))
+    d["amd"].update(changes.get("amd", {}))
+    for key in ("num_warps", "num_stages"):
+        d[key] = int(changes.get(key, d[key]))
+    return BlockConfig.from_dict(d)
 
 
 def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates: int = 48,
-                  samples: int | None = None, write: bool = False, progress: bool = True
-                  ) -> pd.DataFrame:
+                  samples: int | None = None, write: bool = False, progress: bool = True,
+                  candidates: list[dict[str, Any]] | None = None) -> pd.DataFrame:
     """`tune` on a prepared point; `coord` is its config coordinate when already known."""
     point = prep.point
     op = point.op
     backend, arch = backend_and_arch()
     coord = coord or config_coordinate(prep)  # where the kernel itself looks its entry up
     current = get_config(coord.kernel, arch, coord.fmt, coord.size)
-    space = config_space(op, current.config, backend, max_candidates)
+    if candidates is None:
+        space = config_space(op, current.config, backend, max_candidates)
+    else:
+        tried = {json.dumps(c.as_dict(), sort_keys=True): c
+                 for c in (with_changes(current.config, ch) for ch in candidates)}
+        space = [current.config, *[c for c in tried.values() if c != current.config]]
     rows_out: list[dict[str, Any]] = []
     it = space
     if progress:
@@ -183,6 +209,36 @@ def _short(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()[:500]
 
 
+def run_noise(df: pd.DataFrame) -> float:
+    """Relative noise of a tuning run: the larger of the current entry's repeat difference and
+    the IQR/median of the current entry and of the fastest candidate. A candidate is faster
+    only beyond it."""
+    ok = df[df["status"] == "ok"]
+    best = ok.loc[ok["us"].idxmin()]
+    cur = ok[ok["is_current"]]
+    terms = [float(best["iqr_us"]) / float(best["us"])]
+    if not cur.empty:
+        c = cur.iloc[0]
+        repeat = c.get("noise_rel")
+        terms += [float(repeat) if pd.notna(repeat) else 0.0, float(c["iqr_us"]) / float(c["us"])]
+    return max(terms)
+
+
+def ranked(df: pd.DataFrame) -> pd.DataFrame:
+    """Verified candidates fastest first, each with its speedup over the current entry and
+    whether that is beyond the run's noise (what `write_winner` would act on)."""
+    ok = df[df["status"] == "ok"].sort_values("us").copy()
+    if ok.empty:
+        return ok
+    cur = ok[ok["is_current"]]
+    base = float(cur["us"].iloc[0]) if len(cur) else float("nan")
+    noise = run_noise(df)
+    ok["vs_current"] = base / ok["us"]
+    ok["beyond_noise"] = ok["vs_current"] > 1 + noise
+    ok["noise_rel"] = noise
+    return ok
+
+
 def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) -> BlockConfig:
     """Store the fastest verified candidate with provenance (device, date, versions, µs, and the
     current entry's µs measured in the same run); when it is not faster than the current entry
@@ -197,10 +253,7 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) ->
     verdict = "faster"
     if not cur.empty:
         c = cur.iloc[0]
-        repeat = c.get("noise_rel")
-        noise = max(float(repeat) if pd.notna(repeat) else 0.0,
-                    float(c["iqr_us"]) / float(c["us"]), float(best["iqr_us"]) / float(best["us"]))
-        if float(c["us"]) <= float(best["us"]) * (1 + noise):
+        if float(c["us"]) <= float(best["us"]) * (1 + run_noise(ok)):
             best, verdict = c, "confirmed"  # not faster beyond this run's noise: keep it
     dev = detect_device()
     import triton
