@@ -181,3 +181,59 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
     q_index = q_index / q_index.norm(dim=-1, keepdim=True) * p.index_dim ** 0.5
     return Case(spec, batch, cache, q.to(torch.bfloat16), q_index, rms_weight, raw_rows,
                 k_new, v_new)
+
+
+def random_selection(batch: PagedBatch, preset: ModelPreset, gen: torch.Generator
+                     ) -> torch.Tensor:
+    """Worst-case selections for sparse attention: every row picks min(top-k, visible)
+    independent random groups, expanded to token ids like the index path's output."""
+    from qsa.reference.score import visible_groups
+    from qsa.reference.topk import expand_reference
+
+    vis = visible_groups(batch)
+    g = int(vis.max())
+    keys = torch.rand((batch.num_rows, g), generator=gen, device=vis.device)
+    keys[torch.arange(g, device=vis.device)[None, :] >= vis[:, None]] = -1.0
+    k = min(preset.topk_groups, g)
+    groups = keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int32)
+    counts = vis.clamp(max=k).to(torch.int32)  # invalid picks sort last (larger group ids)
+    return expand_reference(groups, counts, batch.positions, preset.expand_width)
+
+
+FILL_CHUNK_TOKENS = 1 << 19  # pool fill: tokens per reference-store call (bounds temporaries)
+
+
+def touched_kv_pool(batch: PagedBatch, ids: torch.Tensor, preset: ModelPreset,
+                    kv_formats: tuple[str, ...], seed: int,
+                    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                    ) -> tuple[PagedBatch, dict[str, dict[str, torch.Tensor]]]:
+    """K/V pools holding only the pages some row selects, behind a shuffled page table (other
+    pages -1, never read): long-context sparse attention without the memory of whole contexts.
+    Every format's pool holds the same values (stored by the reference), so formats compare on
+    one input. Returns the batch with its new page table and {format: K/V planes}."""
+    dev = ids.device
+    page = preset.block_size
+    pages = batch.block_table.shape[1]
+    rr = batch.row_request.long()[:, None].expand_as(ids)
+    used = torch.unique((rr * pages + ids.long() // page)[ids >= 0])
+    perm = torch.randperm(used.numel(), generator=torch.Generator().manual_seed(seed))
+    table = torch.full_like(batch.block_table, -1)
+    table[used // pages, used % pages] = perm.to(device=dev, dtype=torch.int32)
+    batch = PagedBatch(table, batch.context_lens, batch.query_start, batch.positions, page)
+    pools = {}
+    for fmt in kv_formats:
+        declared = declare_fields(preset, CacheFormats(kv=fmt, fp8_dtype=fp8_dtype))
+        kv = kv_field_names(declared)
+        fields = tuple(f for f in declared if f.name in kv)
+        pools[fmt] = {n: poison_(t) for n, t in allocate_layer(fields, used.numel(), dev).items()}
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    outliers = torch.randperm(preset.head_dim, generator=gen, device=dev)[:4]
+    slots = (perm.to(dev).long()[:, None] * page + torch.arange(page, device=dev)).flatten()
+    shape = (preset.num_kv_heads, preset.head_dim)
+    for at in range(0, slots.numel(), FILL_CHUNK_TOKENS):
+        s = slots[at:at + FILL_CHUNK_TOKENS]
+        k = activations(gen, (s.numel(), *shape), outliers, CaseSpec.outlier_scale)
+        v = activations(gen, (s.numel(), *shape), outliers, CaseSpec.outlier_scale / 3)
+        for fmt, pool in pools.items():
+            store_kv_reference(pool, s, k, v, fmt, fp8_dtype)
+    return batch, pools

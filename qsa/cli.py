@@ -123,14 +123,25 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
           preset: str = PRESET_OPT,
           env: str = typer.Option("", help="environment toggles for the run, e.g. "
                                   "QSA_STACKED_DECODE_SCORER=0"),
-          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
-    """Verify and time a grid of points (every product of the lists); one results-store run."""
+          selection: str = typer.Option("index", help="sparse_gqa_decode: token selections "
+                                        "from the index path, or random (the worst case)"),
+          out: Path = typer.Option(Path("profiles"), help="results store root"),
+          suite: Optional[str] = typer.Option(
+              None, help="run a named suite instead of the grid options: headline, decode, "
+                         "attention, prefill, smoke (qsa/workbench/suites/), or a YAML path")
+          ) -> None:
+    """Verify and time a grid of points (every product of the lists), or a named suite with
+    its targets; one results-store run."""
     import itertools
 
     from tqdm.auto import tqdm
 
     from qsa.measure.results import start_run
     from qsa.workbench.ops import VerificationError, measure
+
+    if suite is not None:
+        _bench_suite(suite, out)
+        return
 
     envd = _env(env)
     grid = list(itertools.product(_strs(op), _ints(batch), _ints(context), _ints(rows),
@@ -140,7 +151,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
         for o, b, c, r, fi, fk in tqdm(grid, desc="bench", unit="pt"):
             try:
                 rec = measure(o, preset=preset, batch=b, context=c, rows=r, index_format=fi,
-                              kv_format=fk, env=envd)
+                              kv_format=fk, env=envd, selection=selection)
             except (VerificationError, ValueError, RuntimeError) as e:
                 failed += 1
                 console.print(f"[red]{o} b{b} c{c} r{r} {fi}/{fk}: {e}[/]")
@@ -156,22 +167,49 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
 
 
 
-def _format_pairs(s: str) -> list[tuple[str, str]]:
-    """`bf16/bf16,fp8/fp8`: (index format, KV format) pairs, each checked by name."""
-    from qsa.formats import check_index_format, check_kv_format
+def _bench_suite(name: str, out: Path) -> None:
+    from qsa.workbench.suites import SuiteError, load_suite, run_suite
 
-    pairs = []
-    for item in _strs(s):
-        parts = item.split("/")
-        if len(parts) != 2:
-            raise typer.BadParameter(f"{item!r}: expected INDEX/KV, e.g. fp8/fp8")
-        try:
-            check_index_format(parts[0])
-            check_kv_format(parts[1])
-        except ValueError as e:
-            raise typer.BadParameter(f"{item!r}: {e}") from None
-        pairs.append((parts[0], parts[1]))
-    return pairs
+    try:
+        s = load_suite(name)
+    except (SuiteError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--suite") from None
+    console.print(f"suite {s.name}: {len(s.points)} points, {len(s.steps)} steps "
+                  f"({s.description})")
+
+    def show(rec: dict) -> None:
+        what = " ".join(f"{k}={rec[k]}" for k in ("op", "kernel", "batch", "context", "rows",
+                                                  "index_format", "kv_format", "selection")
+                        if rec.get(k) is not None and not (k == "kernel" and "op" in rec))
+        if not rec.get("verified"):
+            console.print(f"[red]{what}: {rec.get('error')}[/]")
+        elif rec["record"] == "step":
+            console.print(f"step {what}: {rec['us_per_step']:.1f} µs per step (summed)")
+        else:
+            bw = rec.get("pct_bandwidth")
+            console.print(f"{what}: {rec['us']:.2f} µs"
+                          f"{f', {bw:.0f}% of copy bw' if bw is not None else ''}"
+                          f"{' (functional only)' if rec.get('functional_only') else ''}")
+
+    directory, targets = run_suite(s, out, on_row=show)
+    import pandas as pd
+
+    if targets:
+        _print_frame(pd.DataFrame(targets)[["target", "goal", "direction", "value", "met",
+                                            "miss_pct"]], f"targets of suite {s.name}")
+    console.print(f"results: {directory}")
+    bad = [t for t in targets if t["value"] is None]
+    if bad:
+        console.print(f"[red]{len(bad)} target(s) had no matching verified row[/]")
+
+
+def _format_pairs(s: str) -> list[tuple[str, str]]:
+    from qsa.formats import FormatError, format_pairs
+
+    try:
+        return format_pairs(s)
+    except FormatError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
@@ -232,6 +270,8 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                                     "this device too"),
          max_candidates: int = typer.Option(48, help="cap on the candidates timed"),
          write: bool = typer.Option(False, help="store the winner in the config table"),
+         selection: str = typer.Option("index", help="sparse_gqa_decode: token selections from "
+                                       "the index path, or random (the worst case)"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""
     from qsa.measure.results import start_run
@@ -263,9 +303,12 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                 if c in df]
         _print_frame(df[cols], f"tune --all: {len(points)} step calls, batch {batch} x {ctx}")
         return
-    df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
-                  index_format=index_format, kv_format=kv_format,
-                  max_candidates=max_candidates, write=write)
+    try:
+        df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
+                      index_format=index_format, kv_format=kv_format,
+                      max_candidates=max_candidates, write=write, selection=selection)
+    except ValueError as e:  # a bad op, shape, format or selection, named by the message
+        raise typer.BadParameter(str(e)) from None
     ok = df[df["status"] == "ok"].sort_values("us")
     _print_frame(ok[["candidate", "us", "p10_us", "p90_us", "config"]].head(10),
                  f"tune {op}: {len(ok)} of {len(df)} candidates verified")

@@ -41,6 +41,21 @@ def check_kv_format(fmt: str) -> str:
     return fmt
 
 
+def format_pairs(spec: str | list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """`bf16/bf16,fp8/fp8` (or a list of such items): (index format, KV format) pairs, each
+    checked by name."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    pairs = []
+    for item in (i.strip() for i in items if i and str(i).strip()):
+        parts = item.split("/")
+        if len(parts) != 2:
+            raise FormatError(f"{item!r}: expected INDEX/KV, e.g. fp8/fp8")
+        pairs.append((check_index_format(parts[0]), check_kv_format(parts[1])))
+    if not pairs:
+        raise FormatError(f"{spec!r}: no INDEX/KV pair")
+    return pairs
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value: 448 for OCP e4m3fn, 240 for e4m3fnuz."""
     if dtype not in FP8_DTYPES:

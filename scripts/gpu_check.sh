@@ -30,14 +30,13 @@ EOF
 cat "$out/env.txt"
 step ceilings python3 -m qsa.cli ceilings --measure
 step gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
-# Benchmarks report % of this device's measured ceilings, not of a datasheet.
-read -r copy_gbps bf16_tflops < <(python3 -c "from qsa.measure.device import detect_device, \
-load_or_measure_ceilings; c = load_or_measure_ceilings(detect_device()); \
-print(c.copy_gbps, c.bf16_tflops)")
-for b in scripts/bench_*.py; do
-  name="$(basename "$b" .py)"
-  extra=""
-  [ "$name" = bench_scorers ] && extra="--bf16-tflops $bf16_tflops"
-  step "$name" python3 "$b" --out "$out/$name" --copy-gbps "$copy_gbps" $extra $quick
+# Benchmarks: the workbench's suites (results store under profiles/, targets.json and
+# targets.md next to each run), then the page-offload benchmark, which is not a kernel op.
+# --quick runs the headline suite only.
+suites="headline"
+[ -z "$quick" ] && suites="headline attention decode prefill"
+for s in $suites; do
+  step "suite_$s" python3 -m qsa.cli bench --suite "$s" --out profiles
 done
+step bench_offload python3 scripts/bench_offload.py --out "$out/bench_offload" $quick
 exit $status

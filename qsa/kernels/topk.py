@@ -10,9 +10,9 @@ here, not fused into the scorers. Why:
 * The materialised scores are small next to the keys: 4 B per group per row against 256 B
   (BF16), 132 B (FP8) or 68 B (MXFP4) of key per group per request. At 4 rows per request the
   write plus re-read adds 12% / 24% / 47% to the scorer's traffic (FP32 logits are ctx bytes per row against 8 / 4.1 / 2.1 MiB of keys per request at 128K), and in the model
-  the re-read hits L2 (256 rows x 32K groups = 32 MiB). `scripts/bench_topk_compress.py` times
-  this kernel cold and reports the score bytes next to the scorer's key bytes, which is the
-  measurement that decides whether fusing would pay.
+  the re-read hits L2 (256 rows x 32K groups = 32 MiB). `qsa bench --suite decode` times
+  this kernel cold (its bytes count the score reads) next to the scorer at the same shapes,
+  which is the measurement that decides whether fusing would pay.
 
 Selection (one program per row, the row held in registers):
 * Scores map to order-preserving uint32 keys (-0 folded onto +0, so equal scores are equal keys).

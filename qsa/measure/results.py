@@ -8,7 +8,6 @@ mid-write never leaves a half-written file where a good one was (temp file, fsyn
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 import io
 import json
@@ -28,13 +27,11 @@ import pandas as pd
 from qsa.measure.files import atomic_write_bytes
 
 if TYPE_CHECKING:
-    import argparse
-
     from qsa.measure.device import DeviceInfo
 
 RESULTS_FILE = "results.parquet"
 RUN_FILE = "run.json"
-# Columns joined from run.json when loading; records may not use these names.
+# Columns joined from run.json when loading (run_id is also written with every record).
 RUN_COLUMNS = ("run_id", "device", "kind")
 _VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 _REPO = Path(__file__).resolve().parents[2]
@@ -116,7 +113,9 @@ class RunWriter:
         """Add one measured point (a flat dict: scalars, or lists such as raw samples)."""
         if self.meta["status"] == "finished":
             raise RuntimeError(f"run {self.run_id} is finished; start a new run")
-        self.records.append(_clean_record(record))
+        # The run id in every row: rows copied out of the store still say which run (and so
+        # which other rows) they can be compared with.
+        self.records.append({"run_id": self.run_id, **_clean_record(record)})
 
     def add_many(self, records: Iterable[Mapping[str, Any]]) -> None:
         for record in records:
@@ -197,6 +196,9 @@ def load_run(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     df = pd.read_parquet(results) if results.is_file() else pd.DataFrame()
     for i, col in enumerate(RUN_COLUMNS):
         value = meta["device"]["slug"] if col == "device" else meta[col]
+        if col in df:  # written with every row (run_id)
+            df.insert(i, col, df.pop(col).astype(object))
+            continue
         df.insert(i, col, pd.Series([value] * len(df), index=df.index, dtype=object))
     return df, meta
 
@@ -214,47 +216,3 @@ def load_runs(root: str | Path = "profiles", kind: str | None = None,
     if not frames:
         return pd.DataFrame(columns=list(RUN_COLUMNS))
     return pd.concat(frames, ignore_index=True)
-
-
-def write_rows(out_dir: str | Path, stem: str, rows: Iterable[Mapping[str, Any]]) -> None:
-    """A benchmark script's side files: `<stem>.jsonl` (every field, raw samples included) and
-    `<stem>.csv` (the same rows without the raw samples, columns in first-seen order)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = list(rows)
-    atomic_write_bytes(out / f"{stem}.jsonl",
-                       "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys and k != "samples_us"]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write_bytes(out / f"{stem}.csv", buf.getvalue().encode())
-
-
-def bench_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
-    """The options every benchmark script shares: --out, --quick, --smoke, --copy-gbps,
-    --preset. `parse_bench_args` refuses a GPU-less run that is not a --smoke run."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true", help=quick_help)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes; the only mode that runs without a GPU")
-    ap.add_argument("--copy-gbps", type=float, default=4285.0,
-                    help="measured copy bandwidth for %% of copy (H200: 4285)")
-    ap.add_argument("--preset", default="qwen3.8-flash-next")
-    return ap
-
-
-def parse_bench_args(ap: "argparse.ArgumentParser", argv: list[str] | None
-                     ) -> argparse.Namespace:
-    import torch
-
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available() and not args.smoke:
-        ap.error("no GPU: only --smoke runs under the interpreter")
-    return args

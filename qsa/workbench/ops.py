@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from qsa.arena.fields import kv_field_names
-from qsa.cases import Case, CaseSpec, make_case, poison_
+from qsa.cases import (Case, CaseSpec, make_case, poison_, random_selection,
+                       touched_kv_pool)
 from qsa.configs import BlockConfig
 from qsa.formats import dequantize_index
 from qsa.kernels.common import Lookup, observe_lookups
@@ -42,6 +43,10 @@ KERNEL_OF: dict[str, str] = {
     "sparse_gqa_prefill": "sparse_gqa_prefill",
 }
 KV_OPS = ("kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
+# How a sparse-attention point picks its token ids: the index path on realistic keys (scores,
+# top-k), or `random` (the worst case: independent random groups per row, K/V pool holding only
+# the selected pages, so 128K contexts at batch 64 fit).
+SELECTIONS = ("index", "random")
 MAX_ROTATION_BYTES = 24 << 30  # memory allowed for rotated input copies
 
 
@@ -61,10 +66,17 @@ class Point:
     index_format: str = "bf16"
     kv_format: str = "bf16"
     seed: int = 0
+    selection: str = "index"
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"op: {self.op!r} is not one of {', '.join(OPS)}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection: {self.selection!r} is not one of "
+                             f"{', '.join(SELECTIONS)}")
+        if self.selection == "random" and self.op != "sparse_gqa_decode":
+            raise ValueError(f"selection: random selections are for sparse_gqa_decode, not "
+                             f"{self.op}")
         for name in ("batch", "context", "rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -81,7 +93,7 @@ class Point:
     def as_record(self) -> dict[str, Any]:
         return {"op": self.op, "preset": self.preset.name, "batch": self.batch,
                 "context": self.context, "rows": self.rows, "index_format": self.index_format,
-                "kv_format": self.kv_format, "seed": self.seed}
+                "kv_format": self.kv_format, "seed": self.seed, "selection": self.selection}
 
 
 @dataclass
@@ -334,20 +346,33 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
 
     fn = (sparse_gqa.sparse_gqa_decode if point.op == "sparse_gqa_decode"
           else sparse_gqa.sparse_gqa_prefill)
-    case = _case(point, device, dev, build_kv=True)
     p, fmt = point.preset, point.kv_format
-    scores = score_reference(case.cache, case.batch, case.q_index, p, point.index_format)
-    ids = topk_expand_reference(scores, case.batch, p)
-    want = sparse_gqa_reference(case.q, case.cache, case.batch, ids, fmt, p.softmax_scale)
-    work = sparse_gqa.work(ids, case.batch, p, fmt)
-    kv = {k: kernel_view(case.cache[k], device) for k in kv_field_names(case.cache)}
+    if point.selection == "random":
+        case = _case(point, device, dev, build_kv=False)
+        ids = random_selection(case.batch, p, torch.Generator(device=device).manual_seed(
+            point.seed + 7))
+        batch, pools = touched_kv_pool(case.batch, ids, p, (fmt,), point.seed + 8,
+                                       dev.fp8_dtype or torch.float8_e4m3fn)
+        cache = pools[fmt]
+    else:
+        case = _case(point, device, dev, build_kv=True)
+        scores = score_reference(case.cache, case.batch, case.q_index, p, point.index_format)
+        ids = topk_expand_reference(scores, case.batch, p)
+        batch, cache = case.batch, case.cache
+    want = sparse_gqa_reference(case.q, cache, batch, ids, fmt, p.softmax_scale)
+    work = sparse_gqa.work(ids, batch, p, fmt)
+    kv = {k: kernel_view(cache[k], device) for k in kv_field_names(cache)}
     sets = rotation_sets({**kv, "q": kernel_view(case.q, device)}, work, dev)
     outs = [torch.empty(case.q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
 
+    # A random-selection pool holds only the selected pages: the page table has holes (-1)
+    # that the batch check would refuse, so only the reference comparison checks the call.
+    checked = {"check": False} if point.selection == "random" else {}
+
     def call(i: int, cfg: BlockConfig | None) -> torch.Tensor:
         s = sets[i]
-        return fn(s["q"], {k: s[k] for k in kv}, case.batch, ids, p, fmt, out=outs[i],
-                  config=cfg)
+        return fn(s["q"], {k: s[k] for k in kv}, batch, ids, p, fmt, out=outs[i],
+                  config=cfg, **checked)
 
     def check(cfg: BlockConfig | None) -> None:
         poison_(outs[0])
@@ -422,11 +447,11 @@ def measure(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int,
             rows: int, index_format: str = "bf16", kv_format: str = "bf16",
             config: BlockConfig | None = None, device: str | None = None,
             env: dict[str, str] | None = None, seed: int = 0,
-            samples: int | None = None) -> dict[str, Any]:
+            samples: int | None = None, selection: str = "index") -> dict[str, Any]:
     """Build, verify and time one point; see the module docstring."""
     with env_overrides(env):
         point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
-                      seed)
+                      seed, selection)
         rec = measure_prepared(prepare(point, device), config, samples)
     rec["env"] = json.dumps(env or {}, sort_keys=True)
     return rec

@@ -640,4 +640,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "run-point":
         sys.exit(_run_point_process(Path(sys.argv[2])))
     sys.exit("usage: python -m qsa.workbench.sweep run-point <point dir> (internal; run "
-             "sweeps with scripts/sweep.py or `qsa sweep`)")
+             "sweeps with `qsa sweep`)")

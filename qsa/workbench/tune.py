@@ -63,14 +63,16 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
          rows: int,
          index_format: str = "bf16", kv_format: str = "bf16", device: str | None = None,
          max_candidates: int = 48, samples: int | None = None, write: bool = False,
-         progress: bool = True, candidates: list[dict[str, Any]] | None = None
-         ) -> pd.DataFrame:
+         progress: bool = True, candidates: list[dict[str, Any]] | None = None,
+         selection: str = "index") -> pd.DataFrame:
     """Time every candidate on one shape (the current entry first, timed twice so the run knows
     its own noise); with `write`, store the result in the table for this arch, format and shape
     bucket: the fastest candidate if it beats the current entry by more than that noise,
     otherwise the current entry, confirmed. `candidates`: changes to the current entry to try
-    instead of the derived space (see `with_changes`)."""
-    point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format)
+    instead of the derived space (see `with_changes`). `selection`: `random` tunes sparse GQA
+    decode on worst-case selections (see `qsa.workbench.ops.SELECTIONS`)."""
+    point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
+                  selection=selection)
     return tune_prepared(prepare(point, device), max_candidates=max_candidates,
                          samples=samples, write=write, progress=progress, candidates=candidates)
 
