@@ -5,13 +5,14 @@ from qsa.arena.arena import (ALIGNMENT, Arena, ArenaError, PageLayout, Segment, 
 from qsa.arena.capacity import capacity_frame, capacity_table, write_capacity_table
 from qsa.arena.fields import (CacheFormats, FieldSpec, RowSpace, allocate_layer, declare_fields,
                               declare_row_spaces)
-from qsa.arena.offload import (BindingMismatchError, ChecksumError, LayoutMismatchError,
-                               OffloadError, PageOffload, StoredPages, TruncatedPagesError,
-                               offload_roundtrip_check, verify_layer_binding)
+from qsa.arena.offload import (BindingMismatchError, DigestError, LayoutMismatchError,
+                               ManifestError, OffloadError, PageOffload, StoredPages,
+                               TruncatedPagesError, offload_roundtrip_check,
+                               verify_layer_binding)
 
 __all__ = [
-    "ALIGNMENT", "Arena", "ArenaError", "BindingMismatchError", "CacheFormats", "ChecksumError",
-    "FieldSpec", "LayoutMismatchError", "OffloadError", "PageLayout", "PageOffload", "RowSpace",
+    "ALIGNMENT", "Arena", "ArenaError", "BindingMismatchError", "CacheFormats", "DigestError",
+    "FieldSpec", "LayoutMismatchError", "ManifestError", "OffloadError", "PageLayout", "PageOffload", "RowSpace",
     "Segment", "StoredPages", "TruncatedPagesError", "align_up", "allocate_layer", "blocks_in",
     "capacity_frame", "capacity_table", "declare_fields", "declare_row_spaces",
     "offload_roundtrip_check", "verify_layer_binding", "write_capacity_table",

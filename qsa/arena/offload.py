@@ -7,21 +7,19 @@ their scale planes, or the target's index rows in place of the draft's (the bug 
 request in spec section 5). `verify_layer_binding` checks, for each layer, that what the
 offload moves for it is byte for byte what the layer binds.
 
-Safety: a stored page set carries the layout digest and one checksum per page. A restore checks,
-in this order and before any byte reaches the arena, that the layout matches, that the data is
-not truncated, that the block request is valid, and (on a device staging copy) that every page's
-checksum matches. A refused restore changes nothing.
-
-Checksum: a keyed 64-bit sum computed on the device, sum_i(w_i * k_i) mod 2^64 over the page's
-64-bit words with fixed pseudo-random odd keys k_i. Why not hashlib: sha256 on the host runs at
-1-2 GB/s, far below the 50 GB/s a pinned copy reaches, while this reads each byte once at HBM
-speed. A change of any one word always changes the sum (an odd key is invertible mod 2^64); it
-is an integrity check against corruption and truncation, not a cryptographic hash.
+Safety: a stored page set carries the layout digest, a random set id, a manifest (page count,
+source blocks, a digest over all of it) and one digest per page bound to the page's position in
+the set (`qsa.arena.digest`: an avalanche mix per word, so no pair of bit flips cancels). A
+restore checks, in this order and before any byte reaches the arena: the layout, the shape of
+the set (count, digests, data size), the block request, every page's digest on the device
+staging copy, then the manifest. A dropped, duplicated, swapped, truncated or foreign page and
+any bit flip are refused with the page and the reason; a refused restore changes nothing.
 
 Copies: pages of consecutive block ids form a range that moves with one copy. Scattered pages
 are gathered on the device with one index_select (store) or scattered with one index_copy_
 (restore) around a single host copy; `strategy` picks, "auto" uses one copy per range only when
-the request is a single range (scripts/bench_offload.py measures both).
+the request is a single range (scripts/bench_offload.py measures both). `qsa.arena.page_file`
+writes a stored set to disk and reads it back.
 """
 
 from __future__ import annotations
@@ -29,18 +27,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from qsa.arena import digest as dg
 from qsa.arena.arena import Arena, ArenaError, PageLayout
 from qsa.presets import DEFAULT_PRESET
 
 Strategy = Literal["auto", "ranges", "gather"]
 STRATEGIES: tuple[str, ...] = ("auto", "ranges", "gather")
-CHECKSUM_SEED = 0x51_5341_0FF1  # fixed: the key is a function of the page size only
-CHECKSUM_CHUNK_BYTES = 256 << 20  # bounds the int64 product temporary of a checksum pass
 
 
 class OffloadError(ValueError):
@@ -52,11 +50,15 @@ class LayoutMismatchError(OffloadError):
 
 
 class TruncatedPagesError(OffloadError):
-    """Stored data is shorter (or longer) than its page count says."""
+    """Stored data, digests or source blocks disagree with the set's page count."""
 
 
-class ChecksumError(OffloadError):
-    """A page's bytes do not match the checksum taken when it was stored."""
+class DigestError(OffloadError):
+    """A page's bytes, or its place in the set, do not match the digest taken when stored."""
+
+
+class ManifestError(OffloadError):
+    """The set as a whole (count, order, digests, source blocks) is not the one stored."""
 
 
 class BindingMismatchError(OffloadError):
@@ -65,23 +67,98 @@ class BindingMismatchError(OffloadError):
 
 @dataclass(frozen=True)
 class StoredPages:
-    """Pages in host memory: flat bytes (page after page), one checksum per page, and the
-    layout they were written under."""
+    """Pages in host memory: flat bytes (page after page), one digest per page, and the
+    manifest of the set (layout, set id, count, source blocks, manifest digest)."""
 
     layout_digest: str
     layout_summary: str
     page_bytes: int
     data: torch.Tensor  # uint8 [num_pages * page_bytes], host (pinned when CUDA is available)
-    checksums: torch.Tensor  # int64 [num_pages], host
+    digests: torch.Tensor  # int64 [num_pages] bit patterns of the page digests, host
     source_blocks: tuple[int, ...]
+    set_id: int
+    count: int
+    manifest: int  # digest of the set (`qsa.arena.digest.manifest_digest`)
 
     @property
     def num_pages(self) -> int:
-        return int(self.checksums.numel())
+        return self.count
 
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
+
+
+def seal(layout_digest: str, layout_summary: str, page_bytes: int, data: torch.Tensor,
+         sums: torch.Tensor, source_blocks: Sequence[int]) -> StoredPages:
+    """A stored set from its bytes and the pages' content sums: a new set id, the page digests
+    bound to their positions, the manifest."""
+    set_id = dg.new_set_id()
+    digests = dg.page_digests(sums.cpu(), layout_digest, set_id)
+    blocks = tuple(int(b) for b in source_blocks)
+    return StoredPages(layout_digest, layout_summary, page_bytes, data, dg.as_int64(digests),
+                       blocks, set_id, len(digests),
+                       dg.manifest_digest(layout_digest, set_id, page_bytes, digests, blocks))
+
+
+def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
+    """Count, digests, source blocks and data size agree; raises TruncatedPagesError."""
+    data = stored.data
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise TruncatedPagesError(f"stored data must be a flat contiguous uint8 tensor, got "
+                                  f"{data.dtype} of shape {tuple(data.shape)}")
+    if stored.digests.dtype != torch.int64 or stored.digests.dim() != 1:
+        raise TruncatedPagesError("stored digests must be a flat int64 tensor, got "
+                                  f"{stored.digests.dtype} {tuple(stored.digests.shape)}")
+    n = stored.count
+    if n <= 0:
+        raise TruncatedPagesError("truncated: the stored set has no pages")
+    if stored.digests.numel() != n:
+        raise TruncatedPagesError(f"the manifest lists {n} pages but {stored.digests.numel()} "
+                                  "page digests are present: pages were dropped or added")
+    if len(stored.source_blocks) != n:
+        raise TruncatedPagesError(f"the manifest lists {n} pages but {len(stored.source_blocks)}"
+                                  " source blocks: pages were dropped or added")
+    want = n * page_bytes
+    if data.numel() != want:
+        what = "truncated" if data.numel() < want else "oversized"
+        raise TruncatedPagesError(f"{what}: {n} pages of {page_bytes} bytes need {want} bytes, "
+                                  f"the stored data has {data.numel()}")
+
+
+def check_digests(stored: StoredPages, pages: torch.Tensor, keys: torch.Tensor) -> None:
+    """Every page of `pages` ([count, page_bytes] uint8, any device: the bytes about to be
+    restored) against its digest, then the manifest. Names the first bad page and why:
+    bytes of another position of the set (moved, duplicated), or bytes that match no page of
+    this set (corrupt, or from another set)."""
+    n = stored.count
+    sums = [int(v) for v in dg.content_sums(pages, keys).cpu().tolist()]
+    want = dg.as_patterns(stored.digests)
+    bad = [i for i in range(n)
+           if dg.bind(sums[i], stored.layout_digest, stored.set_id, n, i) != want[i]]
+    if bad:
+        i = bad[0]
+        at = [dg.bind(sums[i], stored.layout_digest, stored.set_id, n, j) for j in range(n)]
+        moved = [j for j in range(n) if j != i and at[j] == want[j]]
+        carried = [j for j in range(n) if j != i and at[j] == want[i]]
+        if moved:
+            why = f"it holds the bytes of page {moved[0]} (a moved or duplicated page)"
+        elif carried:
+            why = (f"it and its digest belong at position {carried[0]} (pages reordered with "
+                   "their digests)")
+        elif len(bad) == n:
+            why = ("no page matches its digest: the set's count or id was changed, or the "
+                   "digests are not this set's")
+        else:
+            why = "its bytes changed, or it belongs to another set"
+        raise DigestError(f"digest mismatch in {len(bad)} of {n} pages (first: page {i}, stored "
+                          f"from block {stored.source_blocks[i]}): {why}; refusing to decode "
+                          "the set")
+    if dg.manifest_digest(stored.layout_digest, stored.set_id, stored.page_bytes, want,
+                          stored.source_blocks) != stored.manifest:
+        raise ManifestError(f"manifest mismatch: the set of {n} pages (id {stored.set_id:016x}) "
+                            "is not the one stored (its id, page size, digests or source "
+                            "blocks were changed); refusing to decode it")
 
 
 def _run_starts(ids: np.ndarray) -> np.ndarray:
@@ -100,26 +177,6 @@ def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int
     return [(int(ids[s]), int(ids[e - 1]) + 1, int(s)) for s, e in zip(starts, ends)]
 
 
-def checksum_key(page_bytes: int, device: torch.device | str) -> torch.Tensor:
-    """Odd pseudo-random int64 keys, one per 64-bit word of a page."""
-    if page_bytes % 8:
-        raise OffloadError(f"page size {page_bytes} is not a whole number of 64-bit words")
-    gen = torch.Generator().manual_seed(CHECKSUM_SEED)
-    k = torch.randint(-(1 << 62), 1 << 62, (page_bytes // 8,), generator=gen, dtype=torch.int64)
-    return (k * 2 + 1).to(device)
-
-
-def page_checksums(pages: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Keyed 64-bit sums of pages [n, page_bytes] uint8 (rows contiguous), int64 [n] on the
-    pages' device. Integer arithmetic wraps, so the order of the reduction does not matter."""
-    words = pages.view(torch.int64)
-    out = torch.empty(words.shape[0], dtype=torch.int64, device=pages.device)
-    step = max(1, CHECKSUM_CHUNK_BYTES // max(1, pages.shape[1]))
-    for s in range(0, words.shape[0], step):
-        out[s:s + step] = (words[s:s + step] * key).sum(dim=1)
-    return out
-
-
 class PageOffload:
     """Stores and restores whole pages of one arena.
 
@@ -132,7 +189,7 @@ class PageOffload:
         self.arena = arena
         self.layout: PageLayout = arena.layout
         self.strategy = strategy
-        self._key = checksum_key(self.layout.page_bytes, arena.device)
+        self._key = dg.word_keys(self.layout.page_bytes, arena.device)
         self._pin = torch.cuda.is_available() and arena.device.type == "cuda"
         for space, row in self.layout.layers():
             verify_layer_binding(self, space, row)
@@ -161,42 +218,26 @@ class PageOffload:
         if self._use_ranges(ids, strategy):
             runs = block_ranges(ids)
             views = [pages[a:b] for a, b, _ in runs]
-            sums = torch.cat([page_checksums(v, self._key) for v in views])
+            sums = torch.cat([dg.content_sums(v, self._key) for v in views])
             for v, (a, b, at) in zip(views, runs):
                 host[at * p:(at + b - a) * p].view(b - a, p).copy_(v, non_blocking=self._pin)
         else:
             staged = pages.index_select(0, torch.from_numpy(ids).to(self.arena.device))
-            sums = page_checksums(staged, self._key)
+            sums = dg.content_sums(staged, self._key)
             host.view(ids.size, p).copy_(staged, non_blocking=self._pin)
-        # A blocking device-to-host read after the copies in stream order: the data is in
-        # host memory when this returns.
-        checksums = sums.cpu()
-        return StoredPages(self.layout.digest, self.layout.summary(), p, host, checksums,
-                           tuple(ids.tolist()))
+        # `seal` reads the sums back (blocking, after the copies in stream order): the data is
+        # in host memory when this returns.
+        return seal(self.layout.digest, self.layout.summary(), p, host, sums, ids.tolist())
 
     # -- restore ----------------------------------------------------------------------------
 
     def check_stored(self, stored: StoredPages) -> None:
-        """Layout, then size; raises LayoutMismatchError or TruncatedPagesError."""
+        """Layout, then the set's shape; raises LayoutMismatchError or TruncatedPagesError."""
         if stored.layout_digest != self.layout.digest:
             raise LayoutMismatchError(
                 f"layout mismatch: pages were stored under [{stored.layout_summary}] but this "
                 f"arena is [{self.layout.summary()}]; refusing to decode them")
-        data = stored.data
-        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-            raise TruncatedPagesError(f"stored data must be a flat contiguous uint8 tensor, got "
-                                      f"{data.dtype} of shape {tuple(data.shape)}")
-        if stored.checksums.dtype != torch.int64 or stored.checksums.dim() != 1:
-            raise TruncatedPagesError("stored checksums must be a flat int64 tensor, got "
-                                      f"{stored.checksums.dtype} {tuple(stored.checksums.shape)}")
-        if stored.num_pages == 0:
-            raise TruncatedPagesError("truncated: the stored set has no pages")
-        want = stored.num_pages * self.layout.page_bytes
-        if data.numel() != want:
-            what = "truncated" if data.numel() < want else "oversized"
-            raise TruncatedPagesError(
-                f"{what}: {stored.num_pages} pages of {self.layout.page_bytes} bytes need "
-                f"{want} bytes, the stored data has {data.numel()}")
+        check_set_shape(stored, self.layout.page_bytes)
 
     def restore(self, stored: StoredPages, blocks: Iterable[int] | torch.Tensor | None = None,
                 strategy: Strategy | None = None) -> list[int]:
@@ -215,13 +256,7 @@ class PageOffload:
             if ids.size != n:
                 raise ArenaError(f"restore: {n} stored pages need {n} blocks, got {ids.size}")
         staged = stored.data.view(n, p).to(self.arena.device, non_blocking=True)
-        bad = torch.nonzero(page_checksums(staged, self._key)
-                            != stored.checksums.to(self.arena.device)).flatten().tolist()
-        if bad:
-            raise ChecksumError(
-                f"checksum mismatch in {len(bad)} of {n} pages (first: page {bad[0]}, stored "
-                f"from block {stored.source_blocks[bad[0]]}); the data is corrupt, refusing to "
-                "decode it")
+        check_digests(stored, staged, self._key)
         pages = self.arena.pages
         if self._use_ranges(ids, strategy):
             for a, b, at in block_ranges(ids):
@@ -288,10 +323,12 @@ def verify_layer_binding(offload: PageOffload, space: str, row: int,
 
 def offload_roundtrip_check(device: torch.device | str, *,
                             preset: str = DEFAULT_PRESET, kv: str = "fp8",
-                            index: str = "fp8", pages: int = 64, seed: int = 0) -> dict[str, Any]:
+                            index: str = "fp8", pages: int = 64, seed: int = 0,
+                            save: str | Path | None = None) -> dict[str, Any]:
     """CLI piece: store `pages` pages of random bytes, scramble their blocks, restore them into
     other blocks, compare every byte; report the store and restore rates of the timed round
-    (one round after a warm-up, so a functional check, not a benchmark)."""
+    (one round after a warm-up, so a functional check, not a benchmark). `save`: also write
+    the stored set to that page file."""
     from qsa.arena.fields import CacheFormats
     from qsa.measure.device import detect_device
     from qsa.presets import get_preset
@@ -318,6 +355,10 @@ def offload_roundtrip_check(device: torch.device | str, *,
     t3 = _now(dev)
     same = arena.pages[dst].eq(original).all(dim=1)
     nbytes = stored.nbytes
+    if save is not None:
+        from qsa.arena.page_file import write_page_file
+
+        write_page_file(save, stored)
     return {
         "ok": bool(same.all()) and set(dst).isdisjoint(src),
         "device": str(dev), "preset": preset, "kv": kv, "index": index,
@@ -326,6 +367,7 @@ def offload_roundtrip_check(device: torch.device | str, *,
         "mismatched_pages": int((~same).sum()), "pinned": bool(stored.data.is_pinned()),
         "store_s": t1 - t0, "restore_s": t3 - t2,
         "store_gbps": nbytes / (t1 - t0) / 1e9, "restore_gbps": nbytes / (t3 - t2) / 1e9,
+        "saved": None if save is None else str(save),
     }
 
 

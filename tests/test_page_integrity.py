@@ -1,0 +1,253 @@
+"""Page digests that can not cancel and are bound to their place, and the page file.
+
+Each refusal here passed unnoticed under the former keyed-sum checksum: two flipped top bits
+cancel in a sum mod 2^64, and nothing bound a page to its position or its set."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from qsa.arena import (Arena, CacheFormats, DigestError, LayoutMismatchError, ManifestError,
+                       PageOffload, TruncatedPagesError)
+from qsa.arena import digest as dg
+from qsa.arena.page_file import (MAGIC, PageFileError, read_page_file, verify_page_file,
+                                 write_page_file)
+from qsa.cli import app
+from support import DEVICE
+from test_arena import SMALL
+from test_offload import _assert_unchanged, _random_bytes, _snapshot
+
+PAGE = 512  # bytes of the pages of the digest property tests
+
+
+def _page(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, PAGE), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def _digest(pages: torch.Tensor, position: int = 0) -> list[int]:
+    sums = dg.content_sums(pages, dg.word_keys(PAGE, "cpu"))
+    return [dg.bind(int(c), "layout", 7, 4, position) for c in sums.tolist()]
+
+
+def test_two_sign_bits_that_cancelled_a_keyed_sum_are_seen():
+    page = _page()
+    ref = _digest(page)[0]
+    bad = page.clone()
+    bad[0, 7] ^= 0x80  # the top bit of word 0 ...
+    bad[0, 15] ^= 0x80  # ... and of word 1: +2^63 + 2^63 = 0 mod 2^64 in any keyed sum
+    assert _digest(bad)[0] != ref
+
+
+def test_thousands_of_random_flip_patterns_of_one_to_eight_bits_are_all_seen():
+    rng = np.random.default_rng(1)
+    page = _page(1)
+    n = 6000
+    flipped = page.repeat(n, 1).numpy().copy()
+    bits = flipped.reshape(n, -1)
+    for row in range(n):
+        k = int(rng.integers(1, 9))
+        where = rng.choice(PAGE * 8, size=k, replace=False)
+        np.bitwise_xor.at(bits[row], where // 8, (1 << (where % 8)).astype(np.uint8))
+    ref = _digest(page)[0]
+    got = _digest(torch.from_numpy(flipped))
+    assert all(d != ref for d in got)
+
+
+@settings(max_examples=300, deadline=None)
+@given(flips=st.lists(st.integers(0, PAGE * 8 - 1), min_size=1, max_size=8, unique=True),
+       seed=st.integers(0, 2**16))
+def test_any_one_to_eight_bit_flips_change_the_digest(flips, seed):
+    page = _page(seed)
+    bad = page.clone()
+    for f in flips:
+        bad[0, f // 8] ^= 1 << (f % 8)
+    assert _digest(bad)[0] != _digest(page)[0]
+
+
+def test_a_digest_is_bound_to_position_set_count_and_layout():
+    c = 12345
+    base = dg.bind(c, "L", 1, 4, 2)
+    assert len({base, dg.bind(c, "L", 1, 4, 3), dg.bind(c, "L", 2, 4, 2),
+                dg.bind(c, "L", 1, 5, 2), dg.bind(c, "M", 1, 4, 2)}) == 5
+    words = _page(3)
+    swapped = words.view(-1, 8).flip(0).reshape(1, PAGE)
+    assert _digest(swapped)[0] != _digest(words)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused restores: the page and the reason, nothing written
+# ---------------------------------------------------------------------------------------------
+
+def _stored(blocks: int = 4, seed: int = 2):
+    arena = Arena.for_preset(SMALL, 12, CacheFormats("fp8", "fp8"))
+    _random_bytes(arena, seed)
+    off = PageOffload(arena)
+    return arena, off, off.store(arena.allocate(blocks))
+
+
+def _pages(stored) -> torch.Tensor:
+    return stored.data.view(stored.count, stored.page_bytes)
+
+
+def _with(stored, order: list[int], digests: bool, **changes):
+    """The set with its pages in `order` (repeats allowed), optionally carrying their digests."""
+    data = _pages(stored)[order].reshape(-1).clone()
+    fields = {"data": data}
+    if digests:
+        fields.update(digests=stored.digests[order].clone(), count=len(order),
+                      source_blocks=tuple(stored.source_blocks[i] for i in order))
+    return dataclasses.replace(stored, **{**fields, **changes})
+
+
+CASES = {
+    "two pages swapped": (lambda s: _with(s, [1, 0, 2, 3], False), DigestError,
+                          r"first: page 0, stored from block 0\): it holds the bytes of page 1"),
+    "two pages swapped with their digests": (
+        lambda s: _with(s, [1, 0, 2, 3], True), DigestError,
+        r"first: page 0.*it and its digest belong at position 1"),
+    "a page duplicated": (lambda s: _with(s, [0, 1, 1, 3], False), DigestError,
+                          r"first: page 2.*it holds the bytes of page 1"),
+    "the last page dropped with its digest": (
+        lambda s: _with(s, [0, 1, 2], True, count=4), TruncatedPagesError,
+        r"the manifest lists 4 pages but 3 page digests"),
+    "the last page dropped with its digest and the count": (
+        lambda s: _with(s, [0, 1, 2], True), DigestError,
+        r"no page matches its digest: the set's count or id was changed"),
+    "a source block changed": (
+        lambda s: dataclasses.replace(s, source_blocks=(0, 1, 2, 9)), ManifestError,
+        r"manifest mismatch: the set of 4 pages"),
+    "the set id changed": (lambda s: dataclasses.replace(s, set_id=s.set_id ^ 1), DigestError,
+                           r"no page matches its digest"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_misplaced_dropped_and_edited_sets_are_refused(case):
+    arena, off, stored = _stored()
+    make, error, message = CASES[case]
+    snap = _snapshot(arena)
+    with pytest.raises(error, match=message):
+        off.restore(make(stored))
+    _assert_unchanged(arena, snap)
+    assert off.restore(stored) == [4, 5, 6, 7]  # the intact set still restores
+
+
+def test_a_page_of_another_set_is_refused_even_at_its_own_position():
+    arena, off, stored = _stored()
+    arena.pages[2, 0] ^= 1
+    other = off.store([0, 1, 2, 3])  # another set, whose page 2 differs by one bit
+    foreign = _pages(stored).clone()
+    foreign[2] = _pages(other)[2]
+    snap = _snapshot(arena)
+    with pytest.raises(DigestError, match=r"first: page 2.*belongs to another set"):
+        off.restore(dataclasses.replace(stored, data=foreign.reshape(-1)))
+    _assert_unchanged(arena, snap)
+
+
+# ---------------------------------------------------------------------------------------------
+# The page file
+# ---------------------------------------------------------------------------------------------
+
+def test_a_page_file_round_trips_and_verifies(tmp_path):
+    arena, off, stored = _stored()
+    path = write_page_file(tmp_path / "set.qsapages", stored)
+    assert not list(tmp_path.glob(".*tmp*")), "the temporary file was left behind"
+    head = path.read_bytes()[:8]
+    assert head == MAGIC
+    back = read_page_file(path)
+    assert torch.equal(back.data, stored.data) and torch.equal(back.digests, stored.digests)
+    assert (back.set_id, back.count, back.manifest, back.source_blocks) == \
+        (stored.set_id, stored.count, stored.manifest, stored.source_blocks)
+    summary = verify_page_file(path, arena.layout)
+    assert summary["pages"] == 4 and summary["layout_digest"] == arena.layout.digest
+    before = path.read_bytes()
+    dst = off.restore(back, [11, 10, 9, 8])
+    assert torch.equal(arena.pages[dst], _pages(stored))
+    assert path.read_bytes() == before, "reading a page file modified it"
+
+
+def _fixed(path) -> tuple[bytes, int, int, bytes]:
+    raw = path.read_bytes()
+    magic, version, length = struct.unpack("<8sII", raw[:16])
+    return magic, version, length, raw
+
+
+@pytest.mark.parametrize("damage", ["flip payload", "truncate payload", "extend payload",
+                                    "truncate header", "not a page file", "version 2",
+                                    "header not json", "header field missing", "layout"])
+def test_a_damaged_page_file_is_refused_by_name(tmp_path, damage):
+    arena, off, stored = _stored()
+    path = write_page_file(tmp_path / "set.qsapages", stored)
+    magic, version, length, raw = _fixed(path)
+    head = json.loads(raw[16:16 + length])
+    layout = arena.layout
+    if damage == "flip payload":
+        at = head["payload_offset"] + 2 * stored.page_bytes + 100
+        raw = raw[:at] + bytes([raw[at] ^ 0x10]) + raw[at + 1:]
+        error, message = DigestError, r"first: page 2, stored from block 2\): its bytes changed"
+    elif damage == "truncate payload":
+        raw = raw[:-1]
+        error, message = TruncatedPagesError, r"truncated: 4 pages of \d+ bytes need"
+    elif damage == "extend payload":
+        raw = raw + b"\0" * 8
+        error, message = TruncatedPagesError, "oversized"
+    elif damage == "truncate header":
+        raw = raw[:16 + length // 2]
+        error, message = TruncatedPagesError, "truncated: the header says"
+    elif damage == "not a page file":
+        raw = b"PK\x03\x04" + raw[4:]
+        error, message = PageFileError, "not a QSA page file"
+    elif damage == "version 2":
+        raw = struct.pack("<8sII", magic, 2, length) + raw[16:]
+        error, message = PageFileError, "format version 2; this build reads version 1"
+    elif damage == "header not json":
+        raw = raw[:16] + b"}" + raw[17:]
+        error, message = PageFileError, "the header does not parse"
+    elif damage == "header field missing":
+        del head["manifest"]
+        body = json.dumps(head).encode().ljust(length)
+        raw = struct.pack("<8sII", magic, version, length) + body + raw[16 + length:]
+        error, message = PageFileError, r"the header lacks \['manifest'\]"
+    else:
+        layout = Arena.for_preset(SMALL, 4, CacheFormats("bf16", "fp8")).layout
+        error, message = LayoutMismatchError, "layout mismatch: written under"
+    path.write_bytes(raw)
+    with pytest.raises(error, match=message):
+        verify_page_file(path, layout)
+    res = CliRunner().invoke(app, ["offload-check", str(path)])
+    if damage != "layout":  # the CLI checks the layout only when asked to
+        assert res.exit_code == 1 and "refused" in res.output
+
+
+def test_offload_check_cli_saves_and_verifies_a_page_file(tmp_path):
+    path = tmp_path / "rt.qsapages"
+    runner = CliRunner()
+    res = runner.invoke(app, ["offload-check", "--pages", "2", "--save", str(path)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["offload-check", str(path)])
+    assert res.exit_code == 0 and '"ok": true' in res.output and '"pages": 2' in res.output
+    res = runner.invoke(app, ["offload-check", str(path), "--expect-layout", "--kv-format",
+                              "bf16"])
+    assert res.exit_code == 1 and "layout mismatch" in res.output
+
+
+@pytest.mark.parametrize(("pages", "page_bytes"), [(1, 8), (3, 8 * 1023), (2, 8 * 2500)])
+def test_the_digest_kernel_matches_its_reference(pages, page_bytes):
+    """The one-pass Triton kernel (GPU offloads use it) against the torch reference, on chunk
+    counts that do and do not divide the page."""
+    from qsa.kernels.page_digest import page_content_sums
+
+    data = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(pages))
+    want = dg.content_sums_reference(data, dg.word_keys(page_bytes, "cpu"))
+    assert torch.equal(page_content_sums(data.to(DEVICE)).cpu(), want)
