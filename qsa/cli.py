@@ -330,16 +330,39 @@ def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
 
 
 @app.command("offload-check")
-def offload_check(kv_format: str = "fp8", index_format: str = "fp8", pages: int = 64) -> None:
-    """Store pages to host memory, scramble the blocks, restore elsewhere, compare bytes."""
-    from qsa.arena.offload import offload_roundtrip_check
+def offload_check(file: Optional[Path] = typer.Argument(
+                      None, help="a page file to verify (on the CPU) instead of a round trip"),
+                  kv_format: str = "fp8", index_format: str = "fp8", pages: int = 64,
+                  preset: str = PRESET_OPT,
+                  expect_layout: bool = typer.Option(
+                      False, help="FILE: also require the layout of --preset, --kv-format and "
+                                  "--index-format"),
+                  save: Optional[Path] = typer.Option(
+                      None, help="round trip: also write the stored set to this page file")
+                  ) -> None:
+    """Round trip: store pages to host memory, scramble the blocks, restore elsewhere, compare
+    bytes. With FILE: check a page file's format, every page digest and its manifest."""
+    from qsa.arena.offload import OffloadError, offload_roundtrip_check
 
+    if file is not None:
+        from qsa.arena import CacheFormats, PageLayout
+        from qsa.arena.page_file import verify_page_file
+
+        layout = (PageLayout.for_preset(get_preset(preset), CacheFormats(kv_format, index_format))
+                  if expect_layout else None)
+        try:
+            r = verify_page_file(file, layout)
+        except (OffloadError, OSError) as e:
+            console.print(f"[red]refused: {e}[/]")
+            raise typer.Exit(1)
+        console.print_json(json.dumps({"ok": True, **r}))
+        return
     dev = "cuda" if __import__("torch").cuda.is_available() else "cpu"
-    r = offload_roundtrip_check(dev, kv=kv_format, index=index_format, pages=pages)
+    r = offload_roundtrip_check(dev, preset=preset, kv=kv_format, index=index_format,
+                                pages=pages, save=save)
     console.print_json(json.dumps(r, default=str))
     if not r["ok"]:
         raise typer.Exit(1)
-
 
 
 @app.command()
