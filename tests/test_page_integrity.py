@@ -36,7 +36,7 @@ def _page(seed: int = 0) -> torch.Tensor:
 
 def _digest(pages: torch.Tensor, position: int = 0) -> list[int]:
     sums = dg.content_sums(pages, dg.word_keys(PAGE, "cpu"))
-    return [dg.bind(int(c), "layout", 7, 4, position) for c in sums.tolist()]
+    return dg.bind(sums.numpy().view(np.uint64), position, "layout", 7, 4).tolist()
 
 
 def test_two_sign_bits_that_cancelled_a_keyed_sum_are_seen():
@@ -76,9 +76,8 @@ def test_any_one_to_eight_bit_flips_change_the_digest(flips, seed):
 
 def test_a_digest_is_bound_to_position_set_count_and_layout():
     c = 12345
-    base = dg.bind(c, "L", 1, 4, 2)
-    assert len({base, dg.bind(c, "L", 1, 4, 3), dg.bind(c, "L", 2, 4, 2),
-                dg.bind(c, "L", 1, 5, 2), dg.bind(c, "M", 1, 4, 2)}) == 5
+    variants = [(2, "L", 1, 4), (3, "L", 1, 4), (2, "L", 2, 4), (2, "L", 1, 5), (2, "M", 1, 4)]
+    assert len({int(dg.bind(c, *v)) for v in variants}) == 5
     words = _page(3)
     swapped = words.view(-1, 8).flip(0).reshape(1, PAGE)
     assert _digest(swapped)[0] != _digest(words)[0]
@@ -239,6 +238,15 @@ def test_offload_check_cli_saves_and_verifies_a_page_file(tmp_path):
     res = runner.invoke(app, ["offload-check", str(path), "--expect-layout", "--kv-format",
                               "bf16"])
     assert res.exit_code == 1 and "layout mismatch" in res.output
+
+
+def test_the_manifest_sees_order_and_membership():
+    d = np.arange(1, 9, dtype=np.uint64) * np.uint64(0x1234567)
+    base = dg.manifest_digest("L", 3, 64, d, range(8))
+    assert dg.manifest_digest("L", 3, 64, d[[1, 0, *range(2, 8)]], range(8)) != base
+    assert dg.manifest_digest("L", 3, 64, d, [1, 0, *range(2, 8)]) != base
+    assert dg.manifest_digest("L", 3, 64, d[:7], range(8)) != base
+    assert dg.manifest_digest("L", 3, 128, d, range(8)) != base
 
 
 @pytest.mark.parametrize(("pages", "page_bytes"), [(1, 8), (3, 8 * 1023), (2, 8 * 2500)])

@@ -25,6 +25,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 MASK64 = (1 << 64) - 1
@@ -97,11 +98,38 @@ def content_sums_reference(pages: torch.Tensor, keys: torch.Tensor) -> torch.Ten
 
 
 def fold(values: Sequence[int]) -> int:
-    """An order-sensitive 64-bit hash of a sequence of 64-bit values."""
+    """An order-sensitive 64-bit hash of a short sequence of 64-bit values (host, exact)."""
     h = SEED
     for v in values:
         h = fmix64((h ^ (v & MASK64)) * GOLDEN)
     return h
+
+
+def _u64(x: int) -> np.ndarray:
+    return np.array(x & MASK64, dtype=np.uint64)
+
+
+def fmix64_array(x: np.ndarray) -> np.ndarray:
+    """`fmix64` on uint64 arrays (numpy array arithmetic wraps mod 2^64, without warnings)."""
+    s = np.uint64(33)
+    x = x ^ (x >> s)
+    x = x * _u64(C1)
+    x = x ^ (x >> s)
+    x = x * _u64(C2)
+    return x ^ (x >> s)
+
+
+def _fold_array(h: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """One step of `fold` for many sequences at once."""
+    return fmix64_array((h ^ v) * _u64(GOLDEN))
+
+
+def _mix_sum(values: np.ndarray, tag: int) -> int:
+    """sum_i fmix64(v_i XOR key(i, tag)) mod 2^64: an order-sensitive digest of a long
+    sequence in a few vector passes (a sequential fold over thousands of pages costs ms)."""
+    i = np.arange(values.size, dtype=np.uint64)
+    keys = fmix64_array(i * _u64(GOLDEN) + _u64(SEED ^ tag))
+    return int(fmix64_array(values.astype(np.uint64) ^ keys).sum(dtype=np.uint64))
 
 
 def layout_word(layout_digest: str) -> int:
@@ -114,31 +142,35 @@ def new_set_id() -> int:
     return secrets.randbits(64)
 
 
-def bind(content: int, layout_digest: str, set_id: int, count: int, position: int) -> int:
-    """The digest of the page at `position` of a set of `count` pages whose content sum is
-    `content`."""
-    return fold((layout_word(layout_digest), set_id, count, position, content))
+def bind(contents: np.ndarray | int, positions: np.ndarray | int, layout_digest: str,
+         set_id: int, count: int) -> np.ndarray:
+    """Digests (uint64) of pages with content sums `contents` at `positions` of a set of
+    `count` pages: fold(layout, set id, count, position, content), broadcast over the arrays."""
+    h = np.array(fold((layout_word(layout_digest), set_id, count)), dtype=np.uint64)
+    h = _fold_array(h, np.asarray(positions).astype(np.uint64))
+    return _fold_array(h, np.asarray(contents).astype(np.uint64))
 
 
-def page_digests(sums: torch.Tensor, layout_digest: str, set_id: int) -> list[int]:
-    """Digests of every page of a set from its content sums (in set order)."""
-    n = int(sums.numel())
-    return [bind(int(c), layout_digest, set_id, n, i) for i, c in enumerate(sums.tolist())]
+def page_digests(sums: torch.Tensor, layout_digest: str, set_id: int) -> np.ndarray:
+    """Digests (uint64) of every page of a set from its content sums (int64, in set order)."""
+    c = sums.cpu().numpy().view(np.uint64)
+    return bind(c, np.arange(c.size), layout_digest, set_id, c.size)
 
 
-def manifest_digest(layout_digest: str, set_id: int, page_bytes: int,
-                    digests: Sequence[int], source_blocks: Sequence[int]) -> int:
+def manifest_digest(layout_digest: str, set_id: int, page_bytes: int, digests: np.ndarray,
+                    source_blocks: Sequence[int]) -> int:
     """The set as a whole: layout, id, page size, count, every page digest and source block,
     in order."""
-    return fold((layout_word(layout_digest), set_id, page_bytes, len(digests), *digests,
-                 len(source_blocks), *source_blocks))
+    blocks = np.asarray(source_blocks, dtype=np.int64).view(np.uint64)
+    return fold((layout_word(layout_digest), set_id, page_bytes, digests.size,
+                 _mix_sum(digests, 1), blocks.size, _mix_sum(blocks, 2)))
 
 
-def as_int64(values: Sequence[int]) -> torch.Tensor:
-    """64-bit patterns as an int64 tensor (how digests travel next to the data)."""
-    return torch.tensor([_signed(v) for v in values], dtype=torch.int64)
+def as_int64(digests: np.ndarray) -> torch.Tensor:
+    """uint64 digests as the int64 tensor that travels next to the data."""
+    return torch.from_numpy(np.ascontiguousarray(digests, dtype=np.uint64).view(np.int64).copy())
 
 
-def as_patterns(t: torch.Tensor) -> list[int]:
-    """An int64 tensor back to unsigned 64-bit patterns."""
-    return [v & MASK64 for v in t.tolist()]
+def as_uint64(t: torch.Tensor) -> np.ndarray:
+    """An int64 digest tensor back to uint64 patterns."""
+    return t.cpu().numpy().view(np.uint64)

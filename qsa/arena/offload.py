@@ -132,15 +132,16 @@ def check_digests(stored: StoredPages, pages: torch.Tensor, keys: torch.Tensor) 
     bytes of another position of the set (moved, duplicated), or bytes that match no page of
     this set (corrupt, or from another set)."""
     n = stored.count
-    sums = [int(v) for v in dg.content_sums(pages, keys).cpu().tolist()]
-    want = dg.as_patterns(stored.digests)
-    bad = [i for i in range(n)
-           if dg.bind(sums[i], stored.layout_digest, stored.set_id, n, i) != want[i]]
+    sums = dg.content_sums(pages, keys).cpu().numpy().view(np.uint64)
+    want = dg.as_uint64(stored.digests)
+    got = dg.bind(sums, np.arange(n), stored.layout_digest, stored.set_id, n)
+    bad = np.flatnonzero(got != want).tolist()
     if bad:
         i = bad[0]
-        at = [dg.bind(sums[i], stored.layout_digest, stored.set_id, n, j) for j in range(n)]
-        moved = [j for j in range(n) if j != i and at[j] == want[j]]
-        carried = [j for j in range(n) if j != i and at[j] == want[i]]
+        at = dg.bind(sums[i], np.arange(n), stored.layout_digest, stored.set_id, n)
+        others = np.arange(n) != i
+        moved = np.flatnonzero(others & (at == want)).tolist()
+        carried = np.flatnonzero(others & (at == want[i])).tolist()
         if moved:
             why = f"it holds the bytes of page {moved[0]} (a moved or duplicated page)"
         elif carried:

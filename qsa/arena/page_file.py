@@ -55,7 +55,7 @@ def _header(stored: StoredPages, payload_offset: int) -> dict[str, Any]:
     return {"layout_digest": stored.layout_digest, "layout_summary": stored.layout_summary,
             "page_bytes": stored.page_bytes, "count": stored.count, "set_id": _hex(stored.set_id),
             "source_blocks": list(stored.source_blocks),
-            "digests": [_hex(v) for v in dg.as_patterns(stored.digests)],
+            "digests": [f"{int(v):016x}" for v in dg.as_uint64(stored.digests)],
             "manifest": _hex(stored.manifest), "payload_offset": payload_offset}
 
 
@@ -130,7 +130,7 @@ def read_page_file(path: str | Path) -> StoredPages:
     try:
         count, page_bytes, offset = (int(head[k]) for k in ("count", "page_bytes",
                                                             "payload_offset"))
-        digests = dg.as_int64([int(v, 16) for v in head["digests"]])
+        digests = dg.as_int64(np.array([int(v, 16) for v in head["digests"]], dtype=np.uint64))
         set_id, manifest = int(head["set_id"], 16), int(head["manifest"], 16)
         blocks = tuple(int(b) for b in head["source_blocks"])
     except (TypeError, ValueError) as e:
