@@ -396,9 +396,15 @@ def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/
           resume: bool = typer.Option(True, help="skip points already done with the same code")
           ) -> None:
     """Run a notebook sweep: one papermill process per point over the visible GPUs, resumable."""
-    from qsa.workbench.sweep import run_sweep
+    from qsa.workbench.sweep import SweepError, SweepLocked, run_sweep
 
-    summary = run_sweep(spec, out, jobs=jobs, resume=resume)
+    try:
+        summary = run_sweep(spec, out, jobs=jobs, resume=resume)
+    except (SweepLocked, SweepError) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    except KeyboardInterrupt:  # run_sweep recorded `interrupted` and printed how to resume
+        raise typer.Exit(130)
     console.print(str(summary))
     raise typer.Exit(0 if summary.ok else 1)
 

@@ -1,20 +1,28 @@
-"""Sweep machinery: spec checks, point naming and identity, device slots, and real papermill
-runs of a tiny fixture notebook (a failing point, a killed and resumed sweep)."""
+"""Sweep machinery: spec checks, point naming and identity, device slots, stored-file digests,
+the one-writer lock, and real papermill runs of a tiny fixture notebook (a failing point, a
+killed, interrupted or terminated sweep resumed, damaged points measured again)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import platform
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
+from qsa.measure.results import start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench import sweep as sw
 
@@ -32,6 +40,48 @@ def write_spec(tmp_path: Path, notebook: Path = FIXTURE, **fields) -> Path:
 def markers(sweep_dir: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text())
             for p in sorted(sweep_dir.glob(f"points/*/{sw.MARKER}"))}
+
+
+def sweep_meta(sweep_dir: Path) -> dict:
+    return json.loads((sweep_dir / sw.SWEEP_META).read_text())
+
+
+def resume_line(spec: Path, out: Path, jobs: int) -> str:
+    return f"qsa sweep {spec.resolve()} --out {out.resolve()} --jobs {jobs}"
+
+
+class FakeDevice:
+    slug = "test-device"
+    torch_version = "n/a"
+    triton_version = "n/a"
+
+    def as_record(self) -> dict:
+        return {"slug": self.slug, "name": "test device"}
+
+
+def passed_point(point: sw.SweepPoint, version: str) -> None:
+    """A point as its runner leaves it after passing (results, manifest, then marker), without
+    running a notebook."""
+    with start_run("sweep-fixture", root=point.directory / sw.RESULTS_DIR,
+                   device=FakeDevice()) as run:
+        run.add({"op": "fixture", "value": point.parameters["value"], "us": 1.0})
+    digest = sw.write_manifest(point.directory)
+    marker = sw._marker(point, version, "cpu#0", "passed", manifest_sha256=digest)
+    (point.directory / sw.MARKER).write_text(json.dumps(marker))
+
+
+def results_file(point_dir: Path) -> Path:
+    [path] = point_dir.glob("results/*/*/results.parquet")
+    return path
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen | None = None,
+             timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc is None or proc.poll() is None, "the sweep ended before the test could act"
+        assert time.monotonic() < deadline, "the sweep never got there"
+        time.sleep(0.05)
 
 
 # --- spec and points ---------------------------------------------------------------------------
@@ -74,16 +124,79 @@ def test_points_are_the_grid_product_with_readable_unique_names(tmp_path: Path) 
 def test_a_marker_counts_only_for_the_same_parameters_and_code(tmp_path: Path) -> None:
     spec = sw.load_spec(write_spec(tmp_path, grid={"value": [1]}))
     point = sw.expand_points(spec, tmp_path)[0]
-    point.directory.mkdir(parents=True)
-    version = sw.code_version(spec.notebook)
-    marker = sw._marker(point, version, "cpu#0", "passed")
-    (point.directory / sw.MARKER).write_text(json.dumps(marker))
-    assert sw.is_done(point, version)
-    assert not sw.is_done(point, "another-version")
+    passed_point(point, "v1")
+    assert sw.points_to_run([point], "v1", resume=True) == ([], {})
+    assert sw.points_to_run([point], "v1", resume=False) == ([point], {})
+    assert sw.points_to_run([point], "another-version", resume=True) == ([point], {})
     other = sw.load_spec(write_spec(tmp_path, grid={"value": [1]}, parameters={"delay_s": 1}))
-    assert not sw.is_done(sw.expand_points(other, tmp_path)[0], version)
+    other_point = sw.expand_points(other, tmp_path)[0]
+    assert sw.points_to_run([other_point], "v1", resume=True) == ([other_point], {})
+    marker = json.loads((point.directory / sw.MARKER).read_text())
     (point.directory / sw.MARKER).write_text(json.dumps({**marker, "status": "failed"}))
-    assert not sw.is_done(point, version)
+    assert sw.points_to_run([point], "v1", resume=True) == ([point], {})
+
+
+def _flip_a_byte(point_dir: Path) -> None:
+    path = results_file(point_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(point_dir: Path) -> None:
+    path = results_file(point_dir)
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _copy_the_run(point_dir: Path) -> None:  # what a second writer into the point leaves
+    run = results_file(point_dir).parent
+    shutil.copytree(run, run.with_name(run.name + "-again"))
+
+
+DAMAGE = {
+    "byte-flipped": (_flip_a_byte, "results.parquet is corrupt"),
+    "truncated": (_truncate, "results.parquet is truncated (100 of "),
+    "file-missing": (lambda d: results_file(d).unlink(), "results.parquet is missing"),
+    "manifest-missing": (lambda d: (d / sw.MANIFEST).unlink(), "manifest.json is missing"),
+    "manifest-changed": (lambda d: (d / sw.MANIFEST).write_text('{"files": {}}'),
+                         "manifest.json is corrupt"),
+    "marker-unreadable": (lambda d: (d / sw.MARKER).write_bytes(b"\xff{"),
+                          "point.json is unreadable"),
+    "second-run": (_copy_the_run, "files not written by the point's run"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_point_is_run_again_and_never_loaded(tmp_path: Path, case: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    damage, reason = DAMAGE[case]
+    spec = sw.load_spec(write_spec(tmp_path, grid={"value": [1, 2]}))
+    intact, damaged = sw.expand_points(spec, tmp_path)
+    for point in (intact, damaged):
+        passed_point(point, "v1")
+    damage(damaged.directory)
+    todo, why = sw.points_to_run([intact, damaged], "v1", resume=True)
+    assert todo == [damaged] and list(why) == [damaged.name]
+    assert reason in why[damaged.name]
+    assert f"sweep point {damaged.name}: " in caplog.text and reason in caplog.text
+    caplog.clear()
+    table = sw.load_sweep(tmp_path)  # leaves the damaged point out, never raises
+    assert table["sweep_point"].tolist() == [intact.name]
+    assert reason in caplog.text
+
+
+def test_points_recorded_before_digests_still_load(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    spec = sw.load_spec(write_spec(tmp_path, grid={"value": [1]}))
+    [point] = sw.expand_points(spec, tmp_path)
+    passed_point(point, "v1")
+    marker = json.loads((point.directory / sw.MARKER).read_text())
+    del marker["manifest_sha256"]
+    (point.directory / sw.MARKER).write_text(json.dumps(marker))
+    assert sw.load_sweep(tmp_path)["value"].tolist() == [1]
+    assert "1 passed point(s) predate file digests and are loaded unverified" in caplog.text
+    todo, why = sw.points_to_run([point], "v1", resume=True)  # a sweep measures it again
+    assert todo == [point] and "records no file digests" in why[point.name]
 
 
 def test_code_version_follows_the_notebook_text(tmp_path: Path) -> None:
@@ -168,26 +281,79 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert (again.passed, again.failed, again.skipped) == (0, 1, 2)
 
 
-def test_a_killed_sweep_resumes_without_duplicates_or_losses(tmp_path: Path) -> None:
+def test_damaged_results_are_measured_again_not_shown(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    spec = write_spec(tmp_path, grid={"value": [2, 3]})
+    first = sw.run_sweep(spec, tmp_path / "out", jobs=2, progress=False)
+    assert (first.passed, first.failed) == (2, 0)
+    points = first.sweep_dir / "points"
+    # One flipped byte in the stored 30.0 of value=3: the file still reads, with a forged number.
+    forged = results_file(points / "value=3")
+    data = bytearray(forged.read_bytes())
+    at = data.find(struct.pack("<d", 30.0))
+    data[at + 7] ^= 0x01
+    forged.write_bytes(bytes(data))
+    assert pd.read_parquet(forged)["us"].tolist() != [30.0]
+    truncated = results_file(points / "value=2")
+    truncated.write_bytes(truncated.read_bytes()[:-200])
+
+    again = sw.run_sweep(spec, tmp_path / "out", jobs=2, progress=False)
+    assert (again.passed, again.failed, again.skipped) == (2, 0, 0) and again.ok
+    assert sorted(pd.read_parquet(again.results_path)["us"]) == [20.0, 30.0]  # re-measured
+    why = sweep_meta(again.sweep_dir)["rerun_damaged"]
+    assert "results.parquet is corrupt" in why["value=3"]
+    assert "results.parquet is truncated" in why["value=2"]
+    assert "sweep point value=3: " in caplog.text and "sweep point value=2: " in caplog.text
+
+
+def test_a_second_run_into_a_held_folder_is_refused(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, grid={"value": [1]})
+    out = tmp_path / "out"
+    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+    sweep_dir.mkdir(parents=True)
+    with sw.hold_sweep_lock(sweep_dir):
+        with pytest.raises(sw.SweepLocked) as refused:
+            sw.run_sweep(spec, out, jobs=1, progress=False)
+    assert isinstance(refused.value, RuntimeError)
+    assert str(refused.value).startswith(f"sweep folder {sweep_dir} is in use by another run "
+                                         f"(PID {os.getpid()} on host {platform.node()}, since ")
+    # a holder that has not written its PID yet is still a holder
+    fd = os.open(sweep_dir / sw.LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(sw.SweepLocked, match="has not recorded its PID yet"):
+            sw.run_sweep(spec, out, jobs=1, progress=False)
+    finally:
+        os.close(fd)
+    assert not (sweep_dir / sw.SWEEP_META).exists() and not (sweep_dir / "points").exists()
+
+
+def test_a_killed_sweep_resumes_without_duplicates_or_losses(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     values = [1, 2, 3, 4]
     pause = tmp_path / "pause"  # points after the first wait while it exists
     pause.touch()
     spec = write_spec(tmp_path, grid={"value": values},
                       parameters={"delay_s": 60.0, "fast_values": [1], "pause_file": str(pause)})
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "sweep.py"), str(spec),
-                             "--out", str(out), "--jobs", "1", "--no-progress"],
+    proc = subprocess.Popen([sys.executable, "-m", "qsa.cli", "sweep", str(spec), "--out",
+                             str(out), "--jobs", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    sweep_dir = out / "cpu-interpreter" / "sweeps" / "fixture"
+    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
     in_flight = sweep_dir / "points" / "value=2" / sw.EXECUTED  # papermill writes it first
-    deadline = time.monotonic() + 60
-    while not (markers(sweep_dir).get("value=1", {}).get("status") == "passed"
-               and in_flight.exists()):
-        assert proc.poll() is None, "the sweep ended before it could be killed"
-        assert time.monotonic() < deadline, "the second point never started"
-        time.sleep(0.1)
+    wait_for(lambda: markers(sweep_dir).get("value=1", {}).get("status") == "passed"
+             and in_flight.exists(), proc)
+
+    # a second run into the folder is refused while the first lives, and changes nothing
+    with pytest.raises(sw.SweepLocked) as refused:
+        sw.run_sweep(spec, out, jobs=2, progress=False)
+    assert f"sweep folder {sweep_dir} is in use by another run (PID {proc.pid} on host " \
+           f"{platform.node()}" in str(refused.value)
+    assert sweep_meta(sweep_dir)["pid"] == proc.pid
+
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its runner must die with it
     proc.wait()
+    assert sweep_meta(sweep_dir)["status"] == "running"  # nothing could record the kill
     first = markers(sweep_dir)["value=1"]
     assert set(markers(sweep_dir)) == {"value=1"}  # value=2 was in flight: no marker
     pause.unlink()  # a surviving runner would now finish value=2 and write its marker
@@ -196,6 +362,11 @@ def test_a_killed_sweep_resumes_without_duplicates_or_losses(tmp_path: Path) -> 
 
     summary = sw.run_sweep(spec, out, jobs=2, progress=False)
     assert (summary.passed, summary.failed, summary.skipped) == (3, 0, 1)
+    assert f"(PID {proc.pid} on host {platform.node()}) ended without finishing" in caplog.text
+    meta = sweep_meta(sweep_dir)
+    assert meta["status"] == "finished"
+    assert meta["previous_run"]["status"] == "interrupted"
+    assert meta["previous_run"]["pid"] == proc.pid
     assert markers(sweep_dir)["value=1"] == first  # kept, not re-run
     table = sw.load_sweep(sweep_dir)
     assert sorted(table["value"]) == values  # each point exactly once
@@ -204,6 +375,65 @@ def test_a_killed_sweep_resumes_without_duplicates_or_losses(tmp_path: Path) -> 
         runs = list((sweep_dir / "points" / f"value={v}").glob("results/*/*/run.json"))
         assert len(runs) == 1
         assert json.loads(runs[0].read_text())["status"] == "finished"
+
+
+def test_ctrl_c_records_interrupted_and_prints_the_resume_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pause = tmp_path / "pause"
+    pause.touch()
+    spec = write_spec(tmp_path, grid={"value": [1]},
+                      parameters={"delay_s": 60.0, "pause_file": str(pause)})
+    out = tmp_path / "out"
+    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+    started = sweep_dir / "points" / "value=1" / sw.PARAMS
+    sigterm_handler = signal.getsignal(signal.SIGTERM)
+    done = threading.Event()
+
+    def press_ctrl_c() -> None:
+        while not (started.exists() or done.is_set()):
+            time.sleep(0.05)
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sw.run_sweep(spec, out, jobs=1, progress=False)
+    finally:
+        done.set()
+    meta = sweep_meta(sweep_dir)
+    assert (meta["status"], meta["stopped_by"]) == ("interrupted", "KeyboardInterrupt")
+    assert f"Resume with:\n  {resume_line(spec, out, 1)}\n" in capsys.readouterr().err
+    assert markers(sweep_dir) == {}  # stopped by the sweep, not recorded as a failure
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+    pause.unlink()
+    summary = sw.run_sweep(spec, out, jobs=1, progress=False)  # what the printed command does
+    assert (summary.passed, summary.skipped) == (1, 0)
+    assert sweep_meta(sweep_dir)["status"] == "finished"
+
+
+def test_sigterm_records_interrupted_and_prints_the_resume_command(tmp_path: Path) -> None:
+    pause = tmp_path / "pause"
+    pause.touch()
+    spec = write_spec(tmp_path, grid={"value": [1]},
+                      parameters={"delay_s": 60.0, "pause_file": str(pause)})
+    out = tmp_path / "out"
+    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+    proc = subprocess.Popen([sys.executable, "-m", "qsa.cli", "sweep", str(spec), "--out",
+                             str(out), "--jobs", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for(lambda: (sweep_dir / "points" / "value=1" / sw.PARAMS).exists(), proc)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    meta = sweep_meta(sweep_dir)
+    assert (meta["status"], meta["stopped_by"]) == ("interrupted", "SIGTERM")
+    assert f"Resume with:\n  {resume_line(spec, out, 1)}\n" in err
+    assert markers(sweep_dir) == {}
 
 
 def test_port_race_is_retried_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,18 +17,33 @@ Spec (see sweeps/*.yaml)::
       notebook: notebooks/design_review.py
 
 Layout: `<out_root>/<device slug>/sweeps/<name>/` holds `sweep.json` (spec, code version,
-summary), `points/<param=value__...>/` per point (params.json, the executed notebook.ipynb,
-runner.log, results/ in the results-store layout, and point.json), the aggregated
-`results.parquet`/`results.csv` of all passed points, and `report/` (executed report notebook
-and figures).
+status, summary), `sweep.lock`, `points/<param=value__...>/` per point (params.json, the executed
+notebook.ipynb, runner.log, results/ in the results-store layout, manifest.json and point.json),
+the aggregated `results.parquet`/`results.csv` of all passed points, and `report/` (executed
+report notebook and figures).
 
-Resumption: `point.json` is the done-marker, written atomically and last. A point is skipped
-when its marker says passed for the same parameters, env and code version. The code version
-is a hash of the qsa package sources and config tables, the notebook file, and the Python,
-torch and triton versions - not the git commit: a content hash re-runs exactly when something
-that shapes the numbers changed (not for a README edit), and needs no git on a GPU host that
-received a copied tree. A point that is re-run starts from an empty directory, so a killed
-sweep loses at most its points in flight and never leaves half a point behind or twice.
+One writer per sweep folder: a run holds an exclusive `flock` on `sweep.lock` (which names its
+PID and host) for its whole length, and a second run into the same folder is refused at once
+(`SweepLocked`) - two writers would run every point twice. The kernel drops the lock when the
+process dies, however it dies, so a killed run never blocks the next one.
+
+Resumption: `point.json` is the done-marker, written atomically and last. Before it, the runner
+writes `manifest.json`: the size and sha256 of every file under the point's results/, and the
+marker carries the manifest's own sha256. A point is skipped when its marker says passed for
+the same parameters, env and code version and every file still matches the manifest; a point
+whose files are missing, truncated or changed, or whose manifest or marker is missing or
+unreadable, is logged with the reason and run again - its numbers are never used, and the
+damage never stops the sweep. The code version is a hash of the qsa package sources and config
+tables, the notebook file, and the Python, torch and triton versions - not the git commit: a
+content hash re-runs exactly when something that shapes the numbers changed (not for a README
+edit), and needs no git on a GPU host that received a copied tree. A point that is re-run
+starts from an empty directory, so a killed sweep loses at most its points in flight and never
+leaves half a point behind or twice.
+
+Interruption: Ctrl-C or SIGTERM stops the runners, keeps every finished point, records status
+`interrupted` in sweep.json and prints the command that resumes. After a hard kill (SIGKILL,
+power loss) sweep.json still says `running`; the next run, holding the lock and so knowing no
+one else is, reports that run as interrupted and resumes.
 
 Failures: a point whose notebook raises is recorded (papermill's ename/evalue, the cell, the
 traceback tail) and the sweep goes on. The rare kernel-port race of parallel papermill runs
@@ -37,15 +52,19 @@ traceback tail) and the sweep goes on. The rare kernel-port race of parallel pap
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import hashlib
 import importlib.metadata
 import itertools
 import json
+import logging
 import os
 import platform
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -53,7 +72,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,15 +91,28 @@ PARAMS = "params.json"
 EXECUTED = "notebook.ipynb"
 LOG = "runner.log"
 RESULTS_DIR = "results"
+MANIFEST = "manifest.json"
 RESULTS_PARAM = "results_root"
+SWEEP_META = "sweep.json"
+LOCK = "sweep.lock"
 PORT_RACE = "Address already in use"
 _PKG = Path(__file__).resolve().parents[1]
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in IPython tracebacks
+log = logging.getLogger(__name__)
 
 
 class SweepError(ValueError):
     """A sweep spec that can not run as written."""
+
+
+class SweepLocked(RuntimeError):
+    """Another live run holds the sweep folder; a second writer would run every point twice."""
+
+
+class SweepTerminated(KeyboardInterrupt):
+    """SIGTERM during a sweep: unwinds like Ctrl-C, so the run stops its runners and records
+    itself as interrupted instead of dying with sweep.json saying `running`."""
 
 
 # --- spec --------------------------------------------------------------------------------------
@@ -223,17 +255,115 @@ def code_version(notebook: Path) -> str:
 
 
 def read_marker(point_dir: Path) -> dict[str, Any] | None:
+    """The point's marker, or None when it is missing or unreadable (a damaged disk or a hand
+    edit can break what an atomic write never leaves half-done)."""
     try:
-        return json.loads((point_dir / MARKER).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        marker = json.loads((point_dir / MARKER).read_text())
+    except (OSError, ValueError):  # ValueError: bad JSON or bytes that are not UTF-8
         return None
+    return marker if isinstance(marker, dict) else None
 
 
-def is_done(point: SweepPoint, version: str) -> bool:
-    """A point counts as done only when it passed with the same parameters and code."""
-    m = read_marker(point.directory)
-    return (m is not None and m.get("status") == "passed" and m.get("code_version") == version
-            and _canonical(m.get("identity")) == point.identity)
+def _marker_matches(marker: Mapping[str, Any], point: SweepPoint, version: str) -> bool:
+    return (marker.get("status") == "passed" and marker.get("code_version") == version
+            and _canonical(marker.get("identity")) == point.identity)
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read in chunks: figures and tables can be large."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _result_files(point_dir: Path) -> list[str]:
+    """Every file under the point's results/, relative to the point: what its rows come from."""
+    root = point_dir / RESULTS_DIR
+    return sorted(p.relative_to(point_dir).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def write_manifest(point_dir: Path) -> str:
+    """Record size and sha256 of each result file, atomically, once the run wrote them all.
+
+    Returns the manifest's own sha256, for the marker written after it: a changed or swapped
+    manifest then shows as damage too.
+    """
+    from qsa.measure.files import atomic_write_bytes
+
+    files = {}
+    for rel in _result_files(point_dir):
+        size, digest = _file_digest(point_dir / rel)
+        files[rel] = {"size": size, "sha256": digest}
+    data = (json.dumps({"files": files}, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(point_dir / MANIFEST, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def point_damage(point_dir: Path, marker: Mapping[str, Any]) -> str | None:
+    """Why a passed point's stored files can not be trusted, or None when they are exactly the
+    files its run wrote (the manifest matches the marker, each file its size and sha256, and
+    nothing was added)."""
+    expected_manifest = marker.get("manifest_sha256")
+    if not expected_manifest:
+        return f"{MARKER} records no file digests (written before sweeps recorded them)"
+    try:
+        data = (point_dir / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except OSError as exc:
+        return f"{MANIFEST} can not be read ({exc})"
+    if hashlib.sha256(data).hexdigest() != expected_manifest:
+        return f"{MANIFEST} is corrupt (its sha256 differs from the one in {MARKER})"
+    try:
+        files = {str(rel): (int(entry["size"]), str(entry["sha256"]))
+                 for rel, entry in json.loads(data)["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
+    if not files:
+        return f"{MANIFEST} lists no result files"
+    for rel, (size, digest) in sorted(files.items()):
+        try:
+            actual_size, actual_digest = _file_digest(point_dir / rel)
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        except OSError as exc:
+            return f"{rel} can not be read ({exc})"
+        if actual_size < size:
+            return f"{rel} is truncated ({actual_size} of {size} bytes)"
+        if actual_size != size or actual_digest != digest:
+            return f"{rel} is corrupt (its sha256 differs from the one in {MANIFEST})"
+    extra = sorted(set(_result_files(point_dir)) - set(files))
+    if extra:
+        return f"files not written by the point's run: {', '.join(extra)}"
+    return None
+
+
+def points_to_run(points: Sequence[SweepPoint], version: str,
+                   resume: bool) -> tuple[list[SweepPoint], dict[str, str]]:
+    """The points to (re-)run, and for each that was recorded but can not be used, why.
+
+    With `resume`, a point is skipped only when it passed with the same parameters and code
+    and its result files are still the ones that run wrote.
+    """
+    if not resume:
+        return list(points), {}
+    todo, damaged = [], {}
+    for p in points:
+        marker = read_marker(p.directory)
+        if marker is None and (p.directory / MARKER).exists():
+            damaged[p.name] = f"{MARKER} is unreadable"
+        elif marker is not None and _marker_matches(marker, p, version):
+            problem = point_damage(p.directory, marker)
+            if problem is None:
+                continue
+            damaged[p.name] = problem
+        todo.append(p)
+    for name, why in damaged.items():
+        log.warning("sweep point %s: %s; running it again", name, why)
+    return todo, damaged
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -374,7 +504,11 @@ def _child_env(slot: Slot, spec_env: Mapping[str, str]) -> dict[str, str]:
 
 def run_point(point: SweepPoint, spec: SweepSpec, version: str, slot: Slot,
               stop: threading.Event | None = None) -> dict[str, Any]:
-    """Run one point in its own process and return its marker; one retry on the port race."""
+    """Run one point in its own process and return its marker; one retry on the port race.
+
+    When `stop` ends the runner before it recorded a result, the point is not marked failed
+    (its status is `interrupted`, nothing is written): the next run simply runs it again.
+    """
     marker: dict[str, Any] = {}
     for attempt in (1, 2):
         _reset_point_dir(point.directory)
@@ -394,6 +528,8 @@ def run_point(point: SweepPoint, spec: SweepSpec, version: str, slot: Slot,
                     if stop is not None and stop.is_set():
                         proc.terminate()
         marker = read_marker(point.directory) or {}
+        if not marker and stop is not None and stop.is_set():
+            return {"status": "interrupted"}  # stopped by the sweep: no fault of the point's
         if not marker:
             marker = _marker(point, version, slot, "failed", attempt=attempt, error={
                 "ename": "RunnerExited", "evalue": f"point runner exited with code "
@@ -465,9 +601,10 @@ def _run_point_process(point_dir: Path) -> int:
     else:
         runs = _finished_runs(results_root) if results_root.is_dir() else []
         if runs:
+            manifest_sha256 = write_manifest(point_dir)
             _write_json(point_dir / MARKER, _marker(
                 p, version, slot, "passed", runs=runs, duration_s=time.monotonic() - t0,
-                **common))
+                manifest_sha256=manifest_sha256, **common))
             return 0
         error = {"ename": "NoResults", "evalue": f"the notebook finished but wrote no finished "
                  f"run under {results_root} (it must pass {RESULTS_PARAM} to start_run)"}
@@ -480,20 +617,44 @@ def _run_point_process(point_dir: Path) -> int:
 
 
 def load_sweep(sweep_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
-    """Results of every passed point, through the results store, with a `sweep_point` column."""
+    """Results of every passed point, through the results store, with a `sweep_point` column.
+
+    A point whose marker, manifest or files are damaged is left out with a warning, never
+    raised: one bad file must not take the other points' results with it, and its numbers
+    must not be shown. Points recorded before sweeps wrote manifests load unverified, with one
+    warning per sweep, so existing result folders stay readable.
+    """
     import pandas as pd
 
     from qsa.measure.results import RUN_COLUMNS, load_runs
 
-    frames = []
-    for marker_path in sorted(Path(sweep_dir).glob(f"points/*/{MARKER}")):
-        marker = json.loads(marker_path.read_text())
+    frames, unverified = [], []
+    for point_dir in sorted(p.parent for p in Path(sweep_dir).glob(f"points/*/{MARKER}")):
+        marker = read_marker(point_dir)
+        if marker is None:
+            log.warning("sweep point %s: %s is unreadable; its results are left out",
+                        point_dir, MARKER)
+            continue
         if marker.get("status") != "passed":
             continue
-        df = load_runs(marker_path.parent / RESULTS_DIR, kind=kind)
+        if "manifest_sha256" not in marker:
+            unverified.append(point_dir.name)
+        elif (problem := point_damage(point_dir, marker)) is not None:
+            log.warning("sweep point %s: %s; its results are left out (running the sweep again "
+                        "re-measures it)", point_dir, problem)
+            continue
+        try:
+            df = load_runs(point_dir / RESULTS_DIR, kind=kind)
+        except Exception as exc:  # any reader error here is a damaged file, not a sweep error
+            log.warning("sweep point %s: its results can not be read (%s: %s); they are left "
+                        "out", point_dir, type(exc).__name__, exc)
+            continue
         if not df.empty:
-            df.insert(len(RUN_COLUMNS), "sweep_point", marker_path.parent.name)
+            df.insert(len(RUN_COLUMNS), "sweep_point", point_dir.name)
             frames.append(df)
+    if unverified:
+        log.warning("sweep %s: %d passed point(s) predate file digests and are loaded "
+                    "unverified: %s", sweep_dir, len(unverified), ", ".join(unverified))
     if not frames:
         return pd.DataFrame(columns=[*RUN_COLUMNS, "sweep_point"])
     return pd.concat(frames, ignore_index=True)
@@ -551,22 +712,138 @@ class SweepSummary:
         return "\n".join(lines)
 
 
+def _lock_holder(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text())
+        return f"PID {holder['pid']} on host {holder['host']}, since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not recorded its PID yet"
+
+
+@contextlib.contextmanager
+def hold_sweep_lock(sweep_dir: Path) -> Iterator[None]:
+    """Make this process the one writer of `sweep_dir` for the block, or raise SweepLocked.
+
+    An exclusive, non-blocking flock on sweep.lock: the kernel drops it when the process dies,
+    so a killed run never needs cleaning up after. The file is kept (deleting it would let a
+    third run lock a new file while the second still holds the old one); it names the holder.
+    """
+    path = sweep_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the runners
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepLocked(
+                f"sweep folder {sweep_dir} is in use by another run ({_lock_holder(path)}); "
+                "wait for it to finish or stop it, then run again") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": platform.node(),
+                                 "since": _utc_now()}).encode())
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # the holder is leaving; its PID would only mislead
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the block runs, SIGTERM raises SweepTerminated (a KeyboardInterrupt), so a
+    scheduler's stop unwinds like Ctrl-C; the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python delivers signals to the main thread only; leave them as they are
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SweepTerminated(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python, which can not be put back; default is closest.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _recover_stale_status(sweep_dir: Path) -> dict[str, Any] | None:
+    """With the lock held, a sweep.json still saying `running` is a run that died without
+    unwinding (SIGKILL, power loss): record and report it as interrupted before resuming."""
+    path = sweep_dir / SWEEP_META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("sweep %s: %s is unreadable (%s); it is replaced by this run's",
+                    sweep_dir, SWEEP_META, exc)
+        return None
+    if not isinstance(meta, dict) or meta.get("status") != "running":
+        return None
+    meta.update(status="interrupted", stopped_by="killed (found running, lock not held)",
+                detected_at=_utc_now())
+    _write_json(path, meta)
+    log.warning("sweep %s: the run started %s (PID %s on host %s) ended without finishing "
+                "(killed?); recorded as interrupted, resuming", sweep_dir,
+                meta.get("started_at"), meta.get("pid"), meta.get("host"))
+    return {k: meta.get(k) for k in ("status", "stopped_by", "started_at", "pid", "host")}
+
+
+def resume_command(spec_path: str | Path, out_root: str | Path, jobs: int | None) -> str:
+    """The `qsa sweep` command line that resumes this sweep, from any directory."""
+    args = ["qsa", "sweep", str(Path(spec_path).resolve()), "--out", str(Path(out_root).resolve())]
+    if jobs is not None:
+        args += ["--jobs", str(jobs)]
+    return shlex.join(args)
+
+
 def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: int | None = None,
               resume: bool = True, progress: bool = True) -> SweepSummary:
-    """Run every point of a spec (skipping done ones when `resume`), then the report."""
-    from tqdm.auto import tqdm
+    """Run every point of a spec (skipping done ones when `resume`), then the report.
 
+    Raises SweepLocked when another run holds the sweep folder. On Ctrl-C or SIGTERM the
+    runners are stopped, sweep.json says `interrupted`, the resume command goes to stderr and
+    the KeyboardInterrupt propagates.
+    """
     spec = load_spec(spec_path)
     slots = resolve_slots(spec.devices, spec.workers_per_device, jobs)
     sweep_dir = Path(out_root).resolve() / device_slug_for(slots) / "sweeps" / spec.name
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    version = code_version(spec.notebook)
-    points = expand_points(spec, sweep_dir)
-    todo = [p for p in points if not (resume and is_done(p, version))]
-    meta = {"spec": str(Path(spec_path).resolve()), "notebook": str(spec.notebook),
-            "code_version": version, "slots": [s.label for s in slots],
-            "started_at": _utc_now(), "status": "running", "points": len(points)}
-    _write_json(sweep_dir / "sweep.json", meta)
+    with hold_sweep_lock(sweep_dir), _sigterm_interrupts():
+        previous = _recover_stale_status(sweep_dir)
+        version = code_version(spec.notebook)
+        points = expand_points(spec, sweep_dir)
+        todo, damaged = points_to_run(points, version, resume)
+        meta = {"spec": str(Path(spec_path).resolve()), "notebook": str(spec.notebook),
+                "code_version": version, "slots": [s.label for s in slots],
+                "started_at": _utc_now(), "status": "running", "pid": os.getpid(),
+                "host": platform.node(), "points": len(points), "rerun_damaged": damaged,
+                "previous_run": previous}
+        _write_json(sweep_dir / SWEEP_META, meta)
+        try:
+            return _run_points(spec, slots, sweep_dir, version, points, todo, meta, progress)
+        except KeyboardInterrupt as exc:
+            meta.update(status="interrupted", finished_at=_utc_now(),
+                        stopped_by="SIGTERM" if isinstance(exc, SweepTerminated)
+                        else "KeyboardInterrupt")
+            _write_json(sweep_dir / SWEEP_META, meta)
+            print(f"\nsweep {spec.name} interrupted; finished points are kept. Resume with:\n"
+                  f"  {resume_command(spec_path, out_root, jobs)}", file=sys.stderr)
+            raise
+        except BaseException as exc:
+            meta.update(status="crashed", finished_at=_utc_now(),
+                        error=f"{type(exc).__name__}: {exc}")
+            _write_json(sweep_dir / SWEEP_META, meta)
+            raise
+
+
+def _run_points(spec: SweepSpec, slots: Sequence[Slot], sweep_dir: Path, version: str,
+                points: Sequence[SweepPoint], todo: Sequence[SweepPoint], meta: dict[str, Any],
+                progress: bool) -> SweepSummary:
+    """Run `todo` over the slots, then write the table, the report and the final sweep.json;
+    `meta` is kept current so an interruption records the counts so far."""
+    from tqdm.auto import tqdm
 
     free: queue.Queue[Slot] = queue.Queue()
     for s in slots:
@@ -582,6 +859,7 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
 
     passed, failures = 0, []
     skipped = len(points) - len(todo)
+    meta.update(passed=0, failed=0, skipped=skipped, failures=failures)
     bar = tqdm(total=len(points), initial=skipped, desc=spec.name, unit="point",
                disable=not progress, dynamic_ncols=True)
     bar.set_postfix(passed=0, failed=0, skipped=skipped)
@@ -596,6 +874,7 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
                 err = marker.get("error") or {}
                 failures.append({"point": point.name, "ename": err.get("ename"),
                                  "evalue": err.get("evalue"), "cell_index": err.get("cell_index")})
+            meta.update(passed=passed, failed=len(failures))
             bar.set_postfix(passed=passed, failed=len(failures), skipped=skipped, refresh=False)
             bar.update(1)
     except BaseException:
@@ -610,9 +889,8 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
     summary.results_path = _write_table(load_sweep(sweep_dir), sweep_dir)
     if spec.report_notebook is not None and summary.results_path is not None:
         _run_report(spec, sweep_dir, summary)
-    meta.update(status="finished", finished_at=_utc_now(), passed=passed, failed=len(failures),
-                skipped=skipped, failures=failures, report_error=summary.report_error)
-    _write_json(sweep_dir / "sweep.json", meta)
+    meta.update(status="finished", finished_at=_utc_now(), report_error=summary.report_error)
+    _write_json(sweep_dir / SWEEP_META, meta)
     return summary
 
 
