@@ -15,8 +15,9 @@ digest folds the count and every page digest in order, so the set itself can not
 consistently by accident.
 
 This guards against corruption and misplacement, not against an adversary: the functions are
-public and unkeyed. The content sums run on the pages' device as a dozen elementwise passes
-over int64 words; the folds run on the host over one value per page.
+public and unkeyed. The content sums run on the pages' device (one pass of
+`qsa.kernels.page_digest` on a GPU, the torch reference of `qsa.reference.page_digest`
+elsewhere); the folds run on the host, vectorised over the pages of a set.
 """
 
 from __future__ import annotations
@@ -28,51 +29,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-MASK64 = (1 << 64) - 1
-C1 = 0xFF51AFD7ED558CCD  # MurmurHash3 fmix64 multipliers
-C2 = 0xC4CEB9FE1A85EC53
-GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive word indices
-SEED = 0x51_5341_9A6E_D16E
-CHUNK_BYTES = 64 << 20  # bounds the int64 temporaries of one content-sum pass
+from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sums_reference,
+                                       fmix64, word_keys)
 
-
-def _signed(x: int) -> int:
-    """A 64-bit pattern as the int64 value torch needs for constants."""
-    x &= MASK64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def fmix64(x: int) -> int:
-    """MurmurHash3's 64-bit finalizer on a Python int (host side, exact)."""
-    x &= MASK64
-    x ^= x >> 33
-    x = (x * C1) & MASK64
-    x ^= x >> 33
-    x = (x * C2) & MASK64
-    return x ^ (x >> 33)
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> on int64 is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def fmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """`fmix64` elementwise on int64 tensors (products wrap mod 2^64, as on the host)."""
-    x = x ^ _shr(x, 33)
-    x = x * _signed(C1)
-    x = x ^ _shr(x, 33)
-    x = x * _signed(C2)
-    return x ^ _shr(x, 33)
-
-
-def word_keys(page_bytes: int, device: torch.device | str) -> torch.Tensor:
-    """One pseudo-random int64 key per 64-bit word of a page: fmix64(j * golden + seed)."""
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page size {page_bytes} is not a positive whole number of 64-bit "
-                         "words")
-    j = torch.arange(page_bytes // 8, dtype=torch.int64, device=device)
-    return fmix64_tensor(j * _signed(GOLDEN) + _signed(SEED))
+__all__ = ["MASK64", "as_int64", "as_uint64", "bind", "content_sums", "content_sums_reference",
+           "fmix64", "fmix64_array", "fold", "layout_word", "manifest_digest", "new_set_id",
+           "page_digests", "word_keys"]
 
 
 def content_sums(pages: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -85,16 +47,6 @@ def content_sums(pages: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
         return page_content_sums(pages)
     return content_sums_reference(pages, keys)
-
-
-def content_sums_reference(pages: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`content_sums` in torch elementwise passes (any device), chunked to bound temporaries."""
-    words = pages.view(torch.int64)
-    out = torch.empty(words.shape[0], dtype=torch.int64, device=pages.device)
-    step = max(1, CHUNK_BYTES // max(1, pages.shape[1]))
-    for s in range(0, words.shape[0], step):
-        out[s:s + step] = fmix64_tensor(words[s:s + step] ^ keys).sum(dim=1)
-    return out
 
 
 def fold(values: Sequence[int]) -> int:

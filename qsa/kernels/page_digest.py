@@ -1,4 +1,5 @@
-"""Content sums of page digests (`qsa.arena.digest`) in one pass over the pages.
+"""Content sums of page digests (`qsa.arena.digest`) in one pass over the pages; the
+reference is `qsa.reference.page_digest`.
 
 The torch reference takes a dozen elementwise passes over int64 temporaries; this kernel reads
 each byte once, mixes it in registers and writes one partial sum per (page, chunk), so digesting
@@ -13,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa.arena import digest as dg
+from qsa.reference import page_digest as ref
 
 BLOCK_WORDS = 1024  # words per program: 8 KiB of a page
 NUM_WARPS = 4
-_C1 = tl.constexpr(dg.C1)
-_C2 = tl.constexpr(dg.C2)
-_GOLDEN = tl.constexpr(dg.GOLDEN)
-_SEED = tl.constexpr(dg.SEED)
+_C1 = tl.constexpr(ref.C1)
+_C2 = tl.constexpr(ref.C2)
+_GOLDEN = tl.constexpr(ref.GOLDEN)
+_SEED = tl.constexpr(ref.SEED)
 
 
 @triton.jit
