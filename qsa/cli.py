@@ -128,7 +128,10 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
           out: Path = typer.Option(Path("profiles"), help="results store root"),
           suite: Optional[str] = typer.Option(
               None, help="run a named suite instead of the grid options: headline, decode, "
-                         "attention, prefill, smoke (qsa/workbench/suites/), or a YAML path")
+                         "attention, prefill, smoke (qsa/workbench/suites/), or a YAML path"),
+          verify_only: bool = typer.Option(
+              False, help="--suite: verify every point on one input set, time nothing (quick "
+                          "checks; runs under compute-sanitizer)")
           ) -> None:
     """Verify and time a grid of points (every product of the lists), or a named suite with
     its targets; one results-store run."""
@@ -140,7 +143,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
     from qsa.workbench.ops import VerificationError, measure
 
     if suite is not None:
-        _bench_suite(suite, out)
+        _bench_suite(suite, out, verify_only)
         return
 
     envd = _env(env)
@@ -167,7 +170,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
 
 
 
-def _bench_suite(name: str, out: Path) -> None:
+def _bench_suite(name: str, out: Path, verify_only: bool = False) -> None:
     from qsa.workbench.suites import SuiteError, load_suite, run_suite
 
     try:
@@ -183,6 +186,8 @@ def _bench_suite(name: str, out: Path) -> None:
                         if rec.get(k) is not None and not (k == "kernel" and "op" in rec))
         if not rec.get("verified"):
             console.print(f"[red]{what}: {rec.get('error')}[/]")
+        elif rec.get("us") is None and rec["record"] == "point":
+            console.print(f"{what}: verified")
         elif rec["record"] == "step":
             console.print(f"step {what}: {rec['us_per_step']:.1f} µs per step (summed)")
         else:
@@ -191,7 +196,7 @@ def _bench_suite(name: str, out: Path) -> None:
                           f"{f', {bw:.0f}% of copy bw' if bw is not None else ''}"
                           f"{' (functional only)' if rec.get('functional_only') else ''}")
 
-    directory, targets = run_suite(s, out, on_row=show)
+    directory, targets = run_suite(s, out, on_row=show, verify_only=verify_only)
     import pandas as pd
 
     if targets:

@@ -98,3 +98,21 @@ targets:
     assert json.loads((directory / "targets.json").read_text()) == targets
     md = (directory / "targets.md").read_text()
     assert directory.name in md and "| never measured | n/a | <= 1 | not measured |" in md
+
+
+def test_verify_only_checks_every_point_and_times_none(tmp_path):
+    suite = parse_suite("""
+name: check
+preset: {name: qwen3.8-flash-next, head_dim: 64, topk_groups: 8, block_size: 16}
+grids:
+  - {op: [compress, kv_store], batch: 2, context: 48, rows: 2, kv_format: fp8}
+steps:
+  - {batch: 1, context: 48, formats: [bf16/bf16]}
+targets:
+  - {name: t, metric: us, where: {op: compress}, max: 1.0}
+""", "check.yaml")
+    directory, targets = run_suite(suite, tmp_path, verify_only=True)
+    df = load_runs(tmp_path, kind="suite")
+    assert sorted(df["op"]) == ["compress", "kv_store"] and df["verified"].all()
+    assert df["us"].isna().all() and "median_us" not in df  # nothing timed, no step run
+    assert targets == []

@@ -377,14 +377,20 @@ def test_a_killed_sweep_resumes_without_duplicates_or_losses(
         assert json.loads(runs[0].read_text())["status"] == "finished"
 
 
-def test_ctrl_c_records_interrupted_and_prints_the_resume_command(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _paused_sweep(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """A one-point sweep whose point waits while the pause file exists: (pause file, spec,
+    results root, sweep folder)."""
     pause = tmp_path / "pause"
     pause.touch()
     spec = write_spec(tmp_path, grid={"value": [1]},
                       parameters={"delay_s": 60.0, "pause_file": str(pause)})
     out = tmp_path / "out"
-    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+    return pause, spec, out, (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+
+
+def test_ctrl_c_records_interrupted_and_prints_the_resume_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pause, spec, out, sweep_dir = _paused_sweep(tmp_path)
     started = sweep_dir / "points" / "value=1" / sw.PARAMS
     sigterm_handler = signal.getsignal(signal.SIGTERM)
     done = threading.Event()
@@ -414,12 +420,7 @@ def test_ctrl_c_records_interrupted_and_prints_the_resume_command(
 
 
 def test_sigterm_records_interrupted_and_prints_the_resume_command(tmp_path: Path) -> None:
-    pause = tmp_path / "pause"
-    pause.touch()
-    spec = write_spec(tmp_path, grid={"value": [1]},
-                      parameters={"delay_s": 60.0, "pause_file": str(pause)})
-    out = tmp_path / "out"
-    sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
+    pause, spec, out, sweep_dir = _paused_sweep(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "qsa.cli", "sweep", str(spec), "--out",
                              str(out), "--jobs", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -137,12 +138,17 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+# False while a point is prepared only to be verified: one input set, no rotated copies (a
+# memory-checker run of a tiny shape would otherwise clone its inputs thousands of times).
+_ROTATE: ContextVar[bool] = ContextVar("qsa_rotate_inputs", default=True)
+
+
 def rotation_sets(base: dict[str, torch.Tensor], work: Work, dev: DeviceInfo
                   ) -> list[dict[str, torch.Tensor]]:
     """Copies of the tensors an op reads, enough that cycling through them exceeds three times
-    the last-level cache (one set on the CPU, where times mean nothing)."""
+    the last-level cache (one set on the CPU, where times mean nothing, and when verifying)."""
     n = 1
-    if dev.is_gpu:
+    if dev.is_gpu and _ROTATE.get():
         n = sets_for_cold_cache(max(work.bytes_moved, 1), dev.llc_bytes)
         n = max(1, min(n, MAX_ROTATION_BYTES // max(_nbytes(base), 1)))
     return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(n - 1)]
@@ -447,11 +453,22 @@ def measure(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int,
             rows: int, index_format: str = "bf16", kv_format: str = "bf16",
             config: BlockConfig | None = None, device: str | None = None,
             env: dict[str, str] | None = None, seed: int = 0,
-            samples: int | None = None, selection: str = "index") -> dict[str, Any]:
-    """Build, verify and time one point; see the module docstring."""
+            samples: int | None = None, selection: str = "index", timed: bool = True
+            ) -> dict[str, Any]:
+    """Build, verify and time one point; see the module docstring. `timed=False` verifies
+    only (one input set, no timing): quick checks and memory-checker runs."""
     with env_overrides(env):
         point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
                       seed, selection)
-        rec = measure_prepared(prepare(point, device), config, samples)
+        if timed:
+            rec = measure_prepared(prepare(point, device), config, samples)
+        else:
+            token = _ROTATE.set(False)
+            try:
+                prepare(point, device).check(config)
+            finally:
+                _ROTATE.reset(token)
+            rec = {**point.as_record(), "kernel": KERNEL_OF[op], "verified": True, "us": None,
+                   "config": json.dumps(config.as_dict() if config else None, sort_keys=True)}
     rec["env"] = json.dumps(env or {}, sort_keys=True)
     return rec

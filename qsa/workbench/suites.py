@@ -179,10 +179,13 @@ def load_suite(name_or_path: str | Path) -> Suite:
 
 
 def run_suite(suite: Suite, root: str | Path = "profiles",
-              on_row: Callable[[dict[str, Any]], None] | None = None) -> tuple[Path, list[dict]]:
+              on_row: Callable[[dict[str, Any]], None] | None = None,
+              verify_only: bool = False) -> tuple[Path, list[dict]]:
     """Measure the suite into one results-store run; returns the run directory and the
     evaluated targets (also written to `targets.json` there). A point that fails verification
-    or launch is recorded with `verified` False and its error, never timed."""
+    or launch is recorded with `verified` False and its error, never timed. `verify_only`:
+    every point verified on one input set and not timed, steps and targets skipped (a quick
+    check, or a run under a memory checker)."""
     from qsa.formats import format_pairs
     from qsa.measure.results import start_run
     from qsa.workbench.ops import measure
@@ -191,11 +194,13 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
     preset = dataclasses.asdict(suite.preset)
     with start_run("suite", root=root, extra={"suite": suite.name, "preset": preset,
                                                "points": len(suite.points),
-                                               "steps": len(suite.steps)}) as run:
+                                               "steps": len(suite.steps),
+                                               "verify_only": verify_only}) as run:
         for pt in suite.points:
             args = {"rows": 4, **pt}
             try:
-                rec = measure(args.pop("op"), preset=suite.preset, **args)
+                rec = measure(args.pop("op"), preset=suite.preset, timed=not verify_only,
+                              **args)
             except (AssertionError, ValueError, RuntimeError) as e:
                 rec = {**pt, "verified": False, "error": f"{type(e).__name__}: {e}"}
             rec = {"record": "point", "suite": suite.name, "preset": suite.preset.name, **rec}
@@ -203,7 +208,7 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
             run.flush()
             if on_row:
                 on_row(rec)
-        for s in suite.steps:
+        for s in () if verify_only else suite.steps:
             for idx, kv in format_pairs(s["formats"]):
                 df = step_breakdown(suite.preset, s["batch"], s["context"], s.get("mtp"), idx,
                                     kv)
@@ -217,7 +222,7 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
                         on_row(rec)
                 run.flush()
         rows = pd.DataFrame(run.records)
-        results = [t.evaluate(rows) for t in suite.targets]
+        results = [] if verify_only else [t.evaluate(rows) for t in suite.targets]
         (run.directory / "targets.json").write_text(json.dumps(results, indent=1) + "\n")
         (run.directory / "targets.md").write_text(targets_markdown(results, run.run_id))
     return run.directory, results
