@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,9 +16,51 @@ from rich.table import Table
 
 from qsa.presets import DEFAULT_PRESET, get_preset
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
 console = Console()
+err_console = Console(stderr=True)
+_OPTIONS = {"verbose": False}
+# Errors a user can cause and fix (a bad value, shape, format, config, file or page set): one
+# line naming the problem, exit 2. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+KERNEL_COMMANDS = ("bench", "step", "tune", "profile", "sweep", "run", "offload-check")
+
+
+@app.callback()
+def _setup(ctx: typer.Context,
+           verbose: bool = typer.Option(False, "--verbose", "-v",
+                                        help="debug logging, and tracebacks for errors")) -> None:
+    """Runs before every command: logging, and the Triton interpreter on a machine without a
+    GPU (kernels then run on the CPU; every timing is labelled functional only)."""
+    _OPTIONS["verbose"] = verbose
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and "triton.language" not in sys.modules:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+            if ctx.invoked_subcommand in KERNEL_COMMANDS:
+                logging.getLogger("qsa").info("no GPU: kernels run under the Triton "
+                                              "interpreter (functional only; times mean nothing)")
+
+
+def main() -> None:
+    """The `qsa` entry point: a user error (bad value, shape, format, config, file, page set)
+    prints one line and exits 2; `--verbose` shows its traceback. Usage errors are click's
+    (exit 2); anything else is a bug and keeps its traceback."""
+    try:
+        app()
+    except USER_ERRORS as e:
+        if _OPTIONS["verbose"]:
+            raise
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        err_console.print("(run with --verbose for the traceback)", style="dim")
+        sys.exit(2)
+
 
 PRESET_OPT = typer.Option(DEFAULT_PRESET, "--preset", help="Model preset name.")
 
@@ -146,6 +191,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
         _bench_suite(suite, out, verify_only)
         return
 
+    get_preset(preset)  # an unknown preset is a user error, before any point runs
     envd = _env(env)
     grid = list(itertools.product(_strs(op), _ints(batch), _ints(context), _ints(rows),
                                   _strs(index_format), _strs(kv_format)))
@@ -438,4 +484,4 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
 
 
 if __name__ == "__main__":
-    app()
+    main()

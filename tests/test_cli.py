@@ -1,6 +1,13 @@
 """The `qsa` command line: help lists the commands, bad values are refused by name, and a bench
 run lands in the results store."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from qsa.cli import app
@@ -43,3 +50,30 @@ def test_one_shape_commands_refuse_lists_and_bad_env():
     assert res.exit_code != 0 and "takes one value" in res.output
     res = runner.invoke(app, ["bench", "--env", "QSA_STACKED_DECODE_SCORER"])
     assert res.exit_code != 0 and "is not NAME=VALUE" in res.output
+
+
+def _qsa(args, env_drop=("TRITON_INTERPRET",), timeout=300):
+    """`python -m qsa.cli ARGS` in a fresh process (the interpreter choice happens at start)."""
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    return subprocess.run([sys.executable, "-m", "qsa.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_a_user_error_is_one_line_and_exit_2_and_verbose_shows_the_traceback():
+    res = _qsa(["step", "--preset", "nope"])
+    assert res.returncode == 2
+    assert "error: preset: unknown preset 'nope'" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    res = _qsa(["--verbose", "step", "--preset", "nope"])
+    assert res.returncode != 0 and "Traceback" in res.stderr and "ShapeError" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_without_a_gpu_bench_chooses_the_interpreter_itself(tmp_path):
+    res = _qsa(["bench", "--op", "compress", "--batch", "1", "--context", "48", "--rows", "2",
+                "--out", str(tmp_path)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Triton interpreter" in res.stderr and "functional" in res.stdout
+    df = load_runs(tmp_path, kind="bench")
+    assert df["verified"].all() and df["functional_only"].all()
