@@ -3,9 +3,10 @@
 # pyproject.toml changed. Sourced by scripts/run.sh and scripts/test.sh so each of the
 # README's two commands sets itself up on a fresh machine.
 #
-# GPU hosts: the venv sees the system site-packages, so the host's own torch/triton builds
-# (CUDA or ROCm) are used as they are. Without a GPU and without torch, the CPU-tested torch
-# is installed; QSA_TORCH overrides that pip requirement.
+# GPU hosts: the venv sees the launching python's packages (its system site-packages, or the
+# environment it belongs to when that python is itself a venv), so the host's own torch/triton
+# builds (CUDA or ROCm) are used as they are and never installed twice. Only when no torch is
+# importable, the CPU-tested torch is installed; QSA_TORCH overrides that pip requirement.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${QSA_VENV:-$root/.venv}"
@@ -13,6 +14,20 @@ py="${QSA_PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
   echo "[qsa] creating virtual environment $venv" >&2
   "$py" -m venv --system-site-packages "$venv"
+  # A launching python that is itself a virtual environment (a container's /opt/.../venv): the
+  # flag above exposes its *base* interpreter's packages, not that environment's, so the host's
+  # torch and triton would be missing and a second torch would be installed. A .pth file puts
+  # that environment's site-packages on the new venv's path instead (conda and system pythons
+  # are not venvs and need nothing).
+  parent="$("$py" -c 'import sys, sysconfig
+p = sysconfig.get_paths()
+if sys.prefix != sys.base_prefix:
+    print("\n".join(dict.fromkeys([p["purelib"], p["platlib"]])))')"
+  if [ -n "$parent" ]; then
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    printf '%s\n' "$parent" > "$site/qsa_parent_environment.pth"
+    echo "[qsa] $py is a virtual environment: its packages are used ($parent)" >&2
+  fi
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.qsa-installed"
