@@ -460,6 +460,43 @@ def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/
     raise typer.Exit(0 if summary.ok else 1)
 
 
+@app.command()
+def notebook(name: str = typer.Argument(..., help="a notebook of notebooks/ (e.g. "
+                                        "step_breakdown) or a path to a .py/.ipynb notebook"),
+             param: list[str] = typer.Option([], "--param", "-p",
+                                             help="KEY=VALUE, repeatable; VALUE is YAML "
+                                                  "(3, 8K is a string, [1, 8], gpu)"),
+             out: Optional[Path] = typer.Option(None, help="executed notebook (.ipynb); "
+                                                "default notebooks/executed/NAME.ipynb"),
+             timeout_s: Optional[float] = typer.Option(None, help="per-cell timeout")) -> None:
+    """Run a notebook (jupytext .py or .ipynb) with papermill and parameters, from the
+    repository root; unknown parameter names and profile=gpu without a GPU are refused."""
+    import yaml
+
+    from qsa.workbench.notebook_run import (NotebookError, execute_notebook, notebook_parameters,
+                                            notebook_path)
+
+    path = notebook_path(name)
+    params = {}
+    for item in param:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--param")
+        params[key.strip()] = yaml.safe_load(value)
+    known = notebook_parameters(path)
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise NotebookError(f"{path.name}: unknown parameters {unknown}; it takes "
+                            f"{sorted(known)}")
+    if params.get("profile") == "gpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        raise NotebookError("profile=gpu asked for, but this machine has no GPU (kernels run "
+                            "under the Triton interpreter); use the notebook's CPU profile")
+    root = Path(__file__).resolve().parents[1]
+    target = out or root / "notebooks" / "executed" / f"{path.stem}.ipynb"
+    execute_notebook(path.resolve(), target, params, cwd=root, timeout_s=timeout_s)
+    console.print(f"executed: {target}")
+
+
 DEFAULT_SWEEPS = {True: Path("sweeps/decode_scoring_gpu.yaml"),
                   False: Path("sweeps/decode_scoring_cpu.yaml")}
 

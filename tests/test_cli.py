@@ -77,3 +77,17 @@ def test_without_a_gpu_bench_chooses_the_interpreter_itself(tmp_path):
     assert "Triton interpreter" in res.stderr and "functional" in res.stdout
     df = load_runs(tmp_path, kind="bench")
     assert df["verified"].all() and df["functional_only"].all()
+
+
+def test_notebook_runs_a_py_notebook_with_parameters_and_refuses_typos(tmp_path):
+    nb = "tests/fixtures/notebooks/sweep_point.py"
+    out = tmp_path / "run.ipynb"
+    res = _qsa(["notebook", nb, "-p", "value=3", "-p", f"results_root={tmp_path / 'store'}",
+                "--out", str(out)], env_drop=())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert out.is_file() and (load_runs(tmp_path / "store")["value"] == 3).all()
+    res = _qsa(["notebook", nb, "-p", "valu=3"], env_drop=())
+    assert res.returncode == 2 and "unknown parameters ['valu']" in res.stderr
+    if not torch.cuda.is_available():
+        res = _qsa(["notebook", "decode_scoring_sweep", "-p", "profile=gpu"])
+        assert res.returncode == 2 and "profile=gpu asked for" in res.stderr
