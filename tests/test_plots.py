@@ -42,9 +42,10 @@ def decode_table(functional: bool = False) -> pd.DataFrame:
 
 
 def check_files(result: plots.FigureResult, title: str) -> str:
-    """Both formats written and non-trivial; returns the SVG text after checking the title."""
-    png, svg = result.paths
-    assert png.suffix == ".png" and svg.suffix == ".svg"
+    """Every format written and non-trivial; returns the SVG text after checking the title."""
+    png, svg, pdf = result.paths
+    assert png.suffix == ".png" and svg.suffix == ".svg" and pdf.suffix == ".pdf"
+    assert pdf.read_bytes()[:5] == b"%PDF-"
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
     text = svg.read_text()
     assert text.lstrip().startswith("<?xml") and "</svg>" in text
@@ -212,7 +213,7 @@ def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
     names = sorted(p.name for p in paths)
     assert names == sorted(f"{n}.{ext}" for n in ("latency", "speedup", "roofline_index_formatbf16",
                                                    "roofline_index_formatfp8")
-                           for ext in ("png", "svg"))
+                           for ext in plots.FORMATS)
     assert all(p.parent == run.directory / "figures" for p in paths)
     svg = (run.directory / "figures" / "latency.svg").read_text()
     assert "NVIDIA H200" in svg and "torch 2.11.0" in svg and run.run_id in svg
@@ -250,3 +251,21 @@ def test_recipes_never_mix_presets_in_one_figure(tmp_path: Path) -> None:
     lat = next(f for f in figs if f.paths[0].stem == "latency_presetqwen3.8-flash-next-tp2")
     assert "preset qwen3.8-flash-next-tp2" in lat.figure._suptitle.get_text()
     assert len(data_axes(lat.figure)[0].get_lines()) == len(BATCHES) * 2
+
+
+def test_intensity_roofline_draws_the_measured_roofs_and_every_point(tmp_path: Path) -> None:
+    rows = pd.DataFrame([
+        {"op": "score_stacked", "index_format": f, "kv_format": "bf16", "us": 100.0,
+         "intensity_flop_per_byte": i, "achieved_tflops": t, "pct_bandwidth": 100 * t * 1e3
+         / i / 4088, "pct_matrix": 100 * t / 795, "device": "nvidia-h200", "method": "graph"}
+        for f, i, t in (("bf16", 1.0, 3.9), ("fp8", 1.9, 6.0), ("mxfp4", 3.7, 5.5))
+    ] + [{"op": "score_prefill", "index_format": "bf16", "kv_format": "bf16", "us": 700.0,
+          "intensity_flop_per_byte": 900.0, "achieved_tflops": 346.8,
+          "pct_bandwidth": 100 * 346.8e3 / 900 / 4088, "pct_matrix": 100 * 346.8 / 795,
+          "device": "nvidia-h200", "method": "graph"}])
+    res = plots.intensity_roofline(rows, tmp_path, title="Roofline test")
+    svg = check_files(res, "Roofline test")
+    assert "4,088 GB/s" in svg and "795 TFLOP/s" in svg
+    ax = data_axes(res.figure)[0]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    assert sum(len(c.get_offsets()) for c in ax.collections) == 4  # every point drawn

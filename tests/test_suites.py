@@ -96,6 +96,7 @@ targets:
     assert df.loc[df.op == "sparse_gqa_decode", "selection"].tolist() == ["random"]
     assert [t["met"] for t in targets] == [True, True, None]
     assert json.loads((directory / "targets.json").read_text()) == targets
+    assert (directory / "roofline_intensity.svg").is_file()  # a figure with every run
     md = (directory / "targets.md").read_text()
     assert directory.name in md and "| never measured | n/a | <= 1 | not measured |" in md
 

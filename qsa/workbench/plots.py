@@ -28,7 +28,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from qsa.workbench.notebooks import FUNCTIONAL_NOTE
 
-FORMATS = ("png", "svg")
+FORMATS = ("png", "svg", "pdf")  # PNG for slides, SVG and PDF for documents
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
            "#17becf", "#7f7f7f", "#bcbd22")
 LINESTYLES = ("-", "--", ":", "-.")
@@ -38,7 +38,7 @@ STYLE: dict[str, Any] = {
     "legend.fontsize": 7.5, "legend.frameon": False, "xtick.labelsize": 8, "ytick.labelsize": 8,
     "axes.grid": True, "grid.alpha": 0.3, "grid.linewidth": 0.6, "axes.spines.top": False,
     "axes.spines.right": False, "lines.linewidth": 1.6, "lines.markersize": 4,
-    "savefig.dpi": 110, "savefig.bbox": "tight",
+    "savefig.dpi": 200, "savefig.bbox": "tight",  # presentation resolution
     # Text stays text in the SVG (reviewable, greppable), and ids are stable across runs so a
     # regenerated figure only shows up in a diff when its content changed.
     "svg.fonttype": "none", "svg.hashsalt": "qsa-workbench",
@@ -121,14 +121,16 @@ def _commit_label(git: Mapping[str, Any]) -> str:
 
 def save_figure(fig: Figure, out_dir: str | Path, name: str,
                 formats: Sequence[str] = FORMATS) -> tuple[Path, ...]:
-    """Write `<out_dir>/<name>.<fmt>` for each format; the SVG carries no date (stable diffs)."""
+    """Write `<out_dir>/<name>.<fmt>` for each format; SVG and PDF carry no date (stable
+    diffs)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     with matplotlib.rc_context(STYLE):
         for fmt in formats:
             path = out / f"{name}.{fmt}"
-            meta = {"Date": None} if fmt == "svg" else {}
+            meta = {"Date": None} if fmt == "svg" else {"CreationDate": None} if fmt == "pdf" \
+                else {}
             fig.savefig(path, format=fmt, metadata=meta)
             paths.append(path)
     return tuple(paths)
@@ -440,6 +442,64 @@ def roofline_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "context",
     _legend(fig, axes)
     return _finish(fig, df, title or "Roofline: share of measured device limits", caption,
                    out_dir, name)
+
+
+@styled
+def intensity_roofline(df: pd.DataFrame, out_dir: str | Path, *, series: str = "op",
+                       marker: str | None = "fmt", name: str = "roofline_intensity",
+                       title: str | None = None, caption: str | None = None) -> FigureResult:
+    """The roofline proper: arithmetic intensity (FLOP/byte) against achieved TFLOP/s, log-log,
+    one point per kernel and shape, under the device's measured roofs (copy bandwidth slope,
+    matrix-rate ceiling; the numbers come from each row's own percentages, so the roofs are
+    the ones the points were measured against)."""
+    _check_columns(df, series, "intensity_flop_per_byte", "achieved_tflops")
+    need = ["intensity_flop_per_byte", "achieved_tflops", "pct_bandwidth", "pct_matrix"]
+    num = df.assign(**{c: pd.to_numeric(df.get(c), errors="coerce") for c in need})
+    pts = num.dropna(subset=need)
+    pts = pts[(pts["intensity_flop_per_byte"] > 0) & (pts["achieved_tflops"] > 0)
+              & (pts["pct_bandwidth"] > 0) & (pts["pct_matrix"] > 0)]
+    fig, axes = _new_figure(1, width=7.6, height=4.8)
+    ax = axes[0][0]
+    if pts.empty:
+        ax.text(0.5, 0.5, "no timed point with FLOPs and measured ceilings\n(functional run, "
+                "or byte-only kernels)", ha="center", va="center", transform=ax.transAxes,
+                fontsize=8, color="0.4")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return _finish(fig, df, title or "Roofline", caption, out_dir, name)
+    gbps = pts["achieved_tflops"] * 1e3 / pts["intensity_flop_per_byte"] / (
+        pts["pct_bandwidth"] / 100)
+    tflops = pts["achieved_tflops"] / (pts["pct_matrix"] / 100)
+    lo = float(pts["intensity_flop_per_byte"].min()) / 3
+    hi = max(float(pts["intensity_flop_per_byte"].max()) * 3, float(tflops.max()) * 1e3
+             / float(gbps.min()) * 3)
+    xs = np.geomspace(lo, hi, 200)
+    for i, (b, m) in enumerate(sorted({(round(b), round(m)) for b, m in zip(gbps, tflops)})):
+        style = LINESTYLES[i % len(LINESTYLES)]
+        ax.plot(xs, np.minimum(m, b * xs / 1e3), color="0.25", linewidth=1.0, linestyle=style)
+        ax.text(xs[0] * 1.1, b * xs[0] * 1.1 / 1e3, f"{b:,} GB/s", fontsize=7, color="0.25",
+                rotation=32, rotation_mode="anchor", va="bottom")
+        ax.text(xs[-1] / 1.1, m * 1.06, f"{m:,} TFLOP/s", fontsize=7, color="0.25", ha="right",
+                va="bottom")
+    fmt = (pts["index_format"].astype(str) + "/" + pts["kv_format"].astype(str)
+           if marker == "fmt" and {"index_format", "kv_format"} <= set(pts) else None)
+    fmts = sorted(set(fmt)) if fmt is not None else [None]
+    for i, sv in enumerate(_values(pts, series)):
+        for j, f in enumerate(fmts):
+            sel = pts[(pts[series] == sv) & ((fmt == f) if fmt is not None else True)]
+            if sel.empty:
+                continue
+            ax.scatter(sel["intensity_flop_per_byte"], sel["achieved_tflops"], s=22,
+                       color=PALETTE[i % len(PALETTE)], marker=MARKERS[j % len(MARKERS)],
+                       label=f"{sv}" + (f" · {f}" if f else ""), zorder=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_ylim(float(pts["achieved_tflops"].min()) / 3, float(tflops.max()) * 2)
+    fig.legend(loc="outside right center")
+    return _finish(fig, df, title or "Roofline: every kernel and shape under the device's "
+                   "measured limits", caption, out_dir, name)
 
 
 @styled

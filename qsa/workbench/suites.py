@@ -208,10 +208,13 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
             run.flush()
             if on_row:
                 on_row(rec)
+        step_frames = []
         for s in () if verify_only else suite.steps:
+            frames = []
             for idx, kv in format_pairs(s["formats"]):
                 df = step_breakdown(suite.preset, s["batch"], s["context"], s.get("mtp"), idx,
                                     kv)
+                frames.append(df.assign(index_format=idx, kv_format=kv))
                 for r in df.to_dict("records"):
                     rec = {"record": "step", "suite": suite.name, "preset": suite.preset.name,
                            "batch": s["batch"],
@@ -221,11 +224,31 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
                     if on_row and r["kernel"] == "sum of kernels":
                         on_row(rec)
                 run.flush()
+            step_frames.append((s, frames))
         rows = pd.DataFrame(run.records)
         results = [] if verify_only else [t.evaluate(rows) for t in suite.targets]
+        if not verify_only:
+            _figures(suite, rows, step_frames, run.directory)
         (run.directory / "targets.json").write_text(json.dumps(results, indent=1) + "\n")
         (run.directory / "targets.md").write_text(targets_markdown(results, run.run_id))
     return run.directory, results
+
+
+def _figures(suite: Suite, rows: pd.DataFrame,
+             step_frames: list[tuple[dict[str, Any], list[pd.DataFrame]]], out: Path) -> None:
+    """The run's design-review figures next to its results: the roofline of every point, and
+    per step entry its kernels stacked per format pair."""
+    from qsa.workbench.plots import intensity_roofline
+    from qsa.workbench.step import step_comparison
+
+    points = rows[rows["record"] == "point"] if "record" in rows else rows.iloc[0:0]
+    if not points.empty and "intensity_flop_per_byte" in points:
+        intensity_roofline(points, out, title=f"Suite {suite.name}: every point under the "
+                           "device's measured roofs")
+    for s, frames in step_frames:
+        step_comparison(frames, out / f"step_b{s['batch']}_ctx{s['context']}.png",
+                        f"Suite {suite.name}: decode step, batch {s['batch']} x "
+                        f"{s['context']}, MTP {s.get('mtp', suite.preset.mtp_draft_tokens)}")
 
 
 def targets_markdown(results: list[dict[str, Any]], run_id: str) -> str:
