@@ -19,7 +19,7 @@ from qsa.presets import DEFAULT_PRESET, get_preset
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one line per error, greppable
 _OPTIONS = {"verbose": False}
 # Errors a user can cause and fix (a bad value, shape, format, config, file or page set): one
 # line naming the problem, exit 2. Anything else is a bug and keeps its traceback.
@@ -495,6 +495,36 @@ def notebook(name: str = typer.Argument(..., help="a notebook of notebooks/ (e.g
     target = out or root / "notebooks" / "executed" / f"{path.stem}.ipynb"
     execute_notebook(path.resolve(), target, params, cwd=root, timeout_s=timeout_s)
     console.print(f"executed: {target}")
+
+
+@app.command("compare")
+def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.json) or a sweep "
+                                         "folder (sweep.json)"),
+                b: Path = typer.Argument(..., help="run B, likewise"),
+                keys: Optional[str] = typer.Option(None, help="columns that identify a point, "
+                                                   "comma-separated (default: the shape "
+                                                   "columns both have)"),
+                out: Optional[Path] = typer.Option(None, help="folder for the table (CSV) and "
+                                                   "the figure; default: B's folder")) -> None:
+    """A/B of two runs or sweeps, point by point, with a noise-aware verdict (faster, slower,
+    same within noise, incomparable), a summary, a CSV and a figure."""
+    from qsa.workbench.compare import compare_runs
+    from qsa.workbench.plots import comparison_chart
+
+    cmp, diff = compare_runs(a, b, keys=_strs(keys) if keys else None)
+    console.print(cmp.summary())
+    if diff:
+        console.print(f"what differs: {json.dumps(diff, default=str)}")
+    shown = cmp.table[cmp.table["verdict"] != "same"]
+    if len(shown):
+        varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1]
+        _print_frame(shown[[*varying, "us_a", "us_b", "speedup", "verdict"]],
+                     "points that are not the same within noise")
+    folder = out or b
+    folder.mkdir(parents=True, exist_ok=True)
+    cmp.table.to_csv(folder / "compare.csv", index=False)
+    fig = comparison_chart(cmp, folder)
+    console.print(f"table: {folder / 'compare.csv'}  figure: {fig.paths[0]}")
 
 
 DEFAULT_SWEEPS = {True: Path("sweeps/decode_scoring_gpu.yaml"),

@@ -91,3 +91,18 @@ def test_notebook_runs_a_py_notebook_with_parameters_and_refuses_typos(tmp_path)
     if not torch.cuda.is_available():
         res = _qsa(["notebook", "decode_scoring_sweep", "-p", "profile=gpu"])
         assert res.returncode == 2 and "profile=gpu asked for" in res.stderr
+
+
+def test_compare_two_runs_writes_the_table_and_the_figure(tmp_path):
+    for _ in range(2):
+        res = runner.invoke(app, ["bench", "--op", "compress", "--batch", "1", "--context", "48",
+                                  "--rows", "2", "--out", str(tmp_path / "store")])
+        assert res.exit_code == 0, res.output
+    a, b = sorted((tmp_path / "store").glob("*/*-bench-*"))
+    res = runner.invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    assert "matched on" in res.output and "incomparable 1" in res.output  # interpreter times
+    assert (tmp_path / "cmp" / "compare.csv").is_file()
+    assert (tmp_path / "cmp" / "compare.png").is_file()
+    res = _qsa(["compare", str(tmp_path), str(b)])
+    assert res.returncode == 2 and "neither a run" in res.stderr

@@ -10,6 +10,7 @@ interpreter run, an unverified kernel) are "incomparable", never silently ranked
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import pandas as pd
 from qsa.measure.timing import Timing, noise_floor, relative_difference
 
 DEFAULT_KEYS: tuple[str, ...] = ("op", "preset", "batch", "context", "rows", "index_format",
-                                 "kv_format")
+                                 "kv_format", "selection")
 VERDICTS: tuple[str, ...] = ("faster", "slower", "same", "incomparable", "only_a", "only_b")
 _TIMING_COLS = ("us", "p10_us", "p90_us", "iqr_us", "n_samples", "method", "cache_policy",
                 "functional_only", "verified")
@@ -177,12 +178,39 @@ def _run_label(meta: Mapping[str, Any], diff: Mapping[str, Any], side: int) -> s
     return ", ".join(parts) or meta["run_id"]
 
 
+def load_result_set(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """The measured points of a stored run (a folder with run.json) or of a sweep (a folder
+    with sweep.json: every passed point, newest run per point), and a run.json-like record
+    (device, env, git, versions, run_id) of it. Suite step rows are left out: they are not
+    points."""
+    from qsa.measure.results import RUN_FILE, load_run
+
+    path = Path(path)
+    if (path / RUN_FILE).is_file():
+        df, meta = load_run(path)
+    elif (path / "sweep.json").is_file():
+        from qsa.workbench.sweep import load_sweep
+
+        df = latest_per_point(load_sweep(path))
+        if df.empty:
+            raise ValueError(f"{path}: the sweep has no passed point to compare")
+        runs = sorted(path.glob(f"points/*/results/*/*/{RUN_FILE}"))
+        first = json.loads(runs[0].read_text()) if runs else {}
+        meta = {"run_id": json.loads((path / "sweep.json").read_text()).get("name", path.name),
+                "device": first.get("device") or {"slug": str(df["device"].iloc[0])},
+                **{k: first.get(k) or {} for k in ("env", "git", "versions")}}
+    else:
+        raise ValueError(f"{path}: neither a run (no run.json) nor a sweep (no sweep.json)")
+    if "record" in df:
+        df = df[df["record"] == "point"].reset_index(drop=True)
+    return df, meta
+
+
 def compare_runs(run_a: str | Path, run_b: str | Path, *,
                  keys: Sequence[str] | None = None) -> tuple[Comparison, dict[str, Any]]:
-    """Compare two stored runs; also returns what differs between them (env, commit, ...)."""
-    from qsa.measure.results import load_run
-
-    (da, ma), (db, mb) = load_run(run_a), load_run(run_b)
+    """Compare two stored runs or sweeps; also returns what differs between them (env, commit,
+    ...)."""
+    (da, ma), (db, mb) = load_result_set(run_a), load_result_set(run_b)
     diff = run_differences(ma, mb)
     if "device" in diff:
         raise ValueError(f"runs are from different devices {diff['device']}; an A/B needs one "

@@ -23,7 +23,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from qsa.workbench.notebooks import FUNCTIONAL_NOTE
@@ -229,6 +229,8 @@ def _select(df: pd.DataFrame, col: str | None, value: Any) -> pd.DataFrame:
 def _label(col: str | None, value: Any) -> str:
     if col is None:
         return ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # a count read from a column that also holds NaN: "batch 1"
     return f"{col} {_tokens(value)}" if col == "context" else f"{col} {value}"
 
 
@@ -500,6 +502,41 @@ def intensity_roofline(df: pd.DataFrame, out_dir: str | Path, *, series: str = "
     fig.legend(loc="outside right center")
     return _finish(fig, df, title or "Roofline: every kernel and shape under the device's "
                    "measured limits", caption, out_dir, name)
+
+
+@styled
+def comparison_chart(cmp: Any, out_dir: str | Path, *, name: str = "compare",
+                     title: str | None = None) -> FigureResult:
+    """A/B per point: speedup A/B as a bar (right of 1 = B faster), its noise band as an error
+    bar, coloured by verdict; points only in one side or incomparable are listed, not drawn."""
+    colors = {"faster": "#2ca02c", "slower": "#d62728", "same": "0.6"}
+    t = cmp.table[cmp.table["verdict"].isin(tuple(colors))].reset_index(drop=True)
+    varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1] or list(cmp.keys)
+    labels = t[varying].apply(
+        lambda r: " · ".join(_label(k, r[k]) for k in varying if pd.notna(r[k])), axis=1)
+    fig, axes = _new_figure(1, width=8.5, height=max(2.6, 0.24 * len(t) + 1.4))
+    ax = axes[0][0]
+    if t.empty:
+        ax.text(0.5, 0.5, "no comparable point", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8, color="0.4")
+    else:
+        err = (t["speedup"] * t["noise_floor"].fillna(0.0)).to_numpy()
+        ax.barh(range(len(t)), t["speedup"] - 1.0, left=1.0, xerr=err,
+                color=[colors[v] for v in t["verdict"]], error_kw={"linewidth": 0.8})
+        ax.set_yticks(range(len(t)), labels, fontsize=6.5)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="0.2", linewidth=0.8)
+        ax.set_xlabel(f"speedup A/B (A = {cmp.label_a}, B = {cmp.label_b}; right of 1: B "
+                      "faster)")
+        ax.legend(handles=[Patch(color=c, label=f"{v} ({int((t['verdict'] == v).sum())})")
+                           for v, c in colors.items()], loc="lower right")
+    rest = cmp.table[~cmp.table["verdict"].isin(tuple(colors))]
+    caption = (f"{cmp.summary().splitlines()[0]}; not drawn: "
+               + ", ".join(f"{v} {int((rest['verdict'] == v).sum())}"
+                           for v in sorted(set(rest["verdict"]))) if len(rest) else
+               cmp.summary().splitlines()[0])
+    return _finish(fig, cmp.table.assign(us=cmp.table["us_a"]), title or "A/B comparison",
+                   caption, out_dir, name)
 
 
 @styled
