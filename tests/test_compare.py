@@ -127,3 +127,21 @@ def test_compare_runs_names_the_env_toggle_that_differs(tmp_path: Path,
     assert c.label_b == "QSA_STACKED_DECODE_SCORER=1"
     assert c.counts["faster"] == 2
     assert c.geomean_speedup == pytest.approx(100 / 60)
+
+
+def test_sweep_folders_compare_point_by_point(tmp_path):
+    """`qsa compare` on two sweep folders: every passed point of each, matched on its shape."""
+    from qsa.workbench import sweep as sw
+    from test_sweep import write_spec
+
+    folders = []
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        spec = write_spec(tmp_path / side, grid={"value": [1, 2]})
+        summary = sw.run_sweep(spec, tmp_path / side / "out", jobs=1, progress=False)
+        assert summary.ok
+        folders.append(next((tmp_path / side / "out").glob("*/sweeps/fixture")))
+    c, _ = cmp.compare_runs(*folders)
+    assert sorted(c.table["batch"]) == [1, 2] and "only_a" not in set(c.table["verdict"])
+    with pytest.raises(ValueError, match="neither a run"):
+        cmp.compare_runs(tmp_path, folders[1])
