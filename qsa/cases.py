@@ -227,7 +227,8 @@ def touched_kv_pool(batch: PagedBatch, ids: torch.Tensor, preset: ModelPreset,
         fields = tuple(f for f in declared if f.name in kv)
         pools[fmt] = {n: poison_(t) for n, t in allocate_layer(fields, used.numel(), dev).items()}
     gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    outliers = torch.randperm(preset.head_dim, generator=gen, device=dev)[:4]
+    outliers = torch.randperm(preset.head_dim, generator=gen,
+                              device=dev)[:CaseSpec.outlier_channels]
     slots = (perm.to(dev).long()[:, None] * page + torch.arange(page, device=dev)).flatten()
     shape = (preset.num_kv_heads, preset.head_dim)
     for at in range(0, slots.numel(), FILL_CHUNK_TOKENS):

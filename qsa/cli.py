@@ -278,19 +278,19 @@ def step(preset: str = PRESET_OPT,
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Per-step µs of every QSA kernel (target verify + draft calls): sum and graph replay."""
     from qsa.measure.results import start_run
-    from qsa.workbench.step import step_breakdown, step_comparison
+    from qsa.workbench.step import step_breakdowns, step_comparison
 
     ctx = _one_int(context)
     if mtp is None:
         mtp = get_preset(preset).mtp_draft_tokens
     pairs = _format_pairs(formats) if formats else [(index_format, kv_format)]
     frames = []
-    for idx, kv in pairs:
-        df = step_breakdown(preset, batch, ctx, mtp, idx, kv, progress=True)
+    for df in step_breakdowns(preset, batch, ctx, mtp, pairs, progress=True):
         _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call",
                          "us_per_step", "share", "method"]],
-                     f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, index {idx}, KV {kv}")
-        frames.append(df.assign(index_format=idx, kv_format=kv))
+                     f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, index "
+                     f"{df['index_format'].iloc[0]}, KV {df['kv_format'].iloc[0]}")
+        frames.append(df)
     with start_run("step", root=out, extra={"preset": preset, "batch": batch, "context": ctx,
                                             "mtp": mtp, "formats": pairs}) as run:
         for df in frames:

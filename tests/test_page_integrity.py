@@ -35,7 +35,7 @@ def _page(seed: int = 0) -> torch.Tensor:
 
 
 def _digest(pages: torch.Tensor, position: int = 0) -> list[int]:
-    sums = dg.content_sums(pages, dg.word_keys(PAGE, "cpu"))
+    sums = dg.content_sums(pages)
     return dg.bind(sums.numpy().view(np.uint64), position, "layout", 7, 4).tolist()
 
 

@@ -22,6 +22,7 @@ elsewhere); the folds run on the host, vectorised over the pages of a set.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 from collections.abc import Sequence
@@ -30,31 +31,37 @@ import numpy as np
 import torch
 
 from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sums_reference,
-                                       fmix64, word_keys)
+                                       word_keys)
 
 __all__ = ["MASK64", "as_int64", "as_uint64", "bind", "content_sums", "content_sums_reference",
-           "fmix64", "fmix64_array", "fold", "layout_word", "manifest_digest", "new_set_id",
+           "fmix64_array", "fold", "layout_word", "manifest_digest", "new_set_id",
            "page_digests", "word_keys"]
 
 
-def content_sums(pages: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def content_sums(pages: torch.Tensor) -> torch.Tensor:
     """sum_j fmix64(w_j XOR k_j) mod 2^64 of pages [n, page_bytes] uint8 (rows contiguous):
     int64 [n] on the pages' device. Integer sums wrap, so the reduction order does not matter.
-    On a GPU, one pass of the Triton kernel in `qsa.kernels.page_digest`; elsewhere (and as
-    that kernel's reference) `content_sums_reference`."""
+    On a GPU, one pass of the Triton kernel in `qsa.kernels.page_digest` (keys made in the
+    kernel); elsewhere `content_sums_reference` with the keys of that page size."""
     if pages.is_cuda and pages.shape[0] > 0:
         from qsa.kernels.page_digest import page_content_sums
 
         return page_content_sums(pages)
-    return content_sums_reference(pages, keys)
+    return content_sums_reference(pages, _keys(pages.shape[1], str(pages.device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _keys(page_bytes: int, device: str) -> torch.Tensor:
+    """The per-word keys of a page size, made once (a page's worth of int64 per size)."""
+    return word_keys(page_bytes, device)
 
 
 def fold(values: Sequence[int]) -> int:
-    """An order-sensitive 64-bit hash of a short sequence of 64-bit values (host, exact)."""
-    h = SEED
+    """An order-sensitive 64-bit hash of a short sequence of 64-bit values."""
+    h = np.array([SEED], dtype=np.uint64)
     for v in values:
-        h = fmix64((h ^ (v & MASK64)) * GOLDEN)
-    return h
+        h = _fold_array(h, np.array([v & MASK64], dtype=np.uint64))
+    return int(h[0])
 
 
 def _u64(x: int) -> np.ndarray:
@@ -62,7 +69,8 @@ def _u64(x: int) -> np.ndarray:
 
 
 def fmix64_array(x: np.ndarray) -> np.ndarray:
-    """`fmix64` on uint64 arrays (numpy array arithmetic wraps mod 2^64, without warnings)."""
+    """MurmurHash3's fmix64 on uint64 arrays (numpy array arithmetic wraps mod 2^64, without
+    warnings)."""
     s = np.uint64(33)
     x = x ^ (x >> s)
     x = x * _u64(C1)

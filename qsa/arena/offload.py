@@ -126,13 +126,13 @@ def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
                                   f"the stored data has {data.numel()}")
 
 
-def check_digests(stored: StoredPages, pages: torch.Tensor, keys: torch.Tensor) -> None:
+def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
     """Every page of `pages` ([count, page_bytes] uint8, any device: the bytes about to be
     restored) against its digest, then the manifest. Names the first bad page and why:
     bytes of another position of the set (moved, duplicated), or bytes that match no page of
     this set (corrupt, or from another set)."""
     n = stored.count
-    sums = dg.content_sums(pages, keys).cpu().numpy().view(np.uint64)
+    sums = dg.content_sums(pages).cpu().numpy().view(np.uint64)
     want = dg.as_uint64(stored.digests)
     got = dg.bind(sums, np.arange(n), stored.layout_digest, stored.set_id, n)
     bad = np.flatnonzero(got != want).tolist()
@@ -190,7 +190,6 @@ class PageOffload:
         self.arena = arena
         self.layout: PageLayout = arena.layout
         self.strategy = strategy
-        self._key = dg.word_keys(self.layout.page_bytes, arena.device)
         self._pin = torch.cuda.is_available() and arena.device.type == "cuda"
         for space, row in self.layout.layers():
             verify_layer_binding(self, space, row)
@@ -219,12 +218,12 @@ class PageOffload:
         if self._use_ranges(ids, strategy):
             runs = block_ranges(ids)
             views = [pages[a:b] for a, b, _ in runs]
-            sums = torch.cat([dg.content_sums(v, self._key) for v in views])
+            sums = torch.cat([dg.content_sums(v) for v in views])
             for v, (a, b, at) in zip(views, runs):
                 host[at * p:(at + b - a) * p].view(b - a, p).copy_(v, non_blocking=self._pin)
         else:
             staged = pages.index_select(0, torch.from_numpy(ids).to(self.arena.device))
-            sums = dg.content_sums(staged, self._key)
+            sums = dg.content_sums(staged)
             host.view(ids.size, p).copy_(staged, non_blocking=self._pin)
         # `seal` reads the sums back (blocking, after the copies in stream order): the data is
         # in host memory when this returns.
@@ -257,7 +256,7 @@ class PageOffload:
             if ids.size != n:
                 raise ArenaError(f"restore: {n} stored pages need {n} blocks, got {ids.size}")
         staged = stored.data.view(n, p).to(self.arena.device, non_blocking=True)
-        check_digests(stored, staged, self._key)
+        check_digests(stored, staged)
         pages = self.arena.pages
         if self._use_ranges(ids, strategy):
             for a, b, at in block_ranges(ids):

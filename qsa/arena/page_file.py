@@ -21,7 +21,6 @@ or lacks a field, a payload shorter or longer than the header says, and (through
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from qsa.arena import digest as dg
 from qsa.arena.arena import PageLayout
+from qsa.measure.files import atomic_writer
 from qsa.arena.offload import (LayoutMismatchError, OffloadError, StoredPages,
                                TruncatedPagesError, check_digests, check_set_shape)
 
@@ -55,7 +55,7 @@ def _header(stored: StoredPages, payload_offset: int) -> dict[str, Any]:
     return {"layout_digest": stored.layout_digest, "layout_summary": stored.layout_summary,
             "page_bytes": stored.page_bytes, "count": stored.count, "set_id": _hex(stored.set_id),
             "source_blocks": list(stored.source_blocks),
-            "digests": [f"{int(v):016x}" for v in dg.as_uint64(stored.digests)],
+            "digests": [_hex(int(v)) for v in dg.as_uint64(stored.digests)],
             "manifest": _hex(stored.manifest), "payload_offset": payload_offset}
 
 
@@ -71,28 +71,16 @@ def _encode_header(stored: StoredPages) -> tuple[bytes, int]:
 
 
 def write_page_file(path: str | Path, stored: StoredPages) -> Path:
-    """Write `stored` to `path` atomically (a temporary file in the same folder, fsync, rename):
-    a reader sees the old file or the whole new one, never a part."""
+    """Write `stored` to `path` atomically: a reader sees the old file or the whole new one,
+    never a part."""
     check_set_shape(stored, stored.page_bytes)
     path = Path(path)
     body, offset = _encode_header(stored)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(_FIXED.pack(MAGIC, VERSION, len(body)))
-            f.write(body)
-            f.write(b"\0" * (offset - _FIXED.size - len(body)))
-            f.write(memoryview(stored.data.contiguous().cpu().numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic_writer(path) as f:
+        f.write(_FIXED.pack(MAGIC, VERSION, len(body)))
+        f.write(body)
+        f.write(b"\0" * (offset - _FIXED.size - len(body)))
+        f.write(memoryview(stored.data.contiguous().cpu().numpy()))
     return path
 
 
@@ -159,7 +147,7 @@ def verify_page_file(path: str | Path, layout: PageLayout | None = None) -> dict
                                   f"[{stored.layout_summary}], expected [{layout.summary()}]")
     check_set_shape(stored, stored.page_bytes)
     n, p = stored.count, stored.page_bytes
-    check_digests(stored, stored.data.view(n, p), dg.word_keys(p, "cpu"))
+    check_digests(stored, stored.data.view(n, p))
     return {"file": str(path), "pages": n, "page_bytes": p, "bytes": n * p,
             "set_id": _hex(stored.set_id), "layout": stored.layout_summary,
             "layout_digest": stored.layout_digest, "source_blocks": list(stored.source_blocks)}

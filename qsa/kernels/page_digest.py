@@ -5,7 +5,7 @@ The torch reference takes a dozen elementwise passes over int64 temporaries; thi
 each byte once, mixes it in registers and writes one partial sum per (page, chunk), so digesting
 a page set costs about one read of it at HBM speed, small next to the host copy it guards.
 Words and keys are unsigned 64-bit here: `>>` is a logical shift and products wrap mod 2^64,
-exactly as `fmix64` on the host.
+exactly as `qsa.arena.digest.fmix64_array` on the host.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Durable file writes shared by the results store, the device ceilings cache and the sweeps:
+"""Durable file writes shared by the results store, the device ceilings cache, the sweeps and
+the page file:
 a leaf module, so none of them needs to import another to write a file."""
 
 from __future__ import annotations
@@ -6,16 +7,21 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` so readers see the old file or the new one, never a mix."""
+@contextlib.contextmanager
+def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file that replaces `path` when the block ends without error, so readers see the
+    old file or the whole new one, never a part (a temporary file in the same folder, fsync,
+    rename, fsync of the folder). Streams: large payloads need not fit in memory twice."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -28,3 +34,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(dir_fd)  # makes the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically (see `atomic_writer`)."""
+    with atomic_writer(path) as f:
+        f.write(data)

@@ -22,23 +22,14 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-def fmix64(x: int) -> int:
-    """MurmurHash3's 64-bit finalizer on a Python int (host side, exact)."""
-    x &= MASK64
-    x ^= x >> 33
-    x = (x * C1) & MASK64
-    x ^= x >> 33
-    x = (x * C2) & MASK64
-    return x ^ (x >> 33)
-
-
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns (torch's >> on int64 is arithmetic)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
 def fmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """`fmix64` elementwise on int64 tensors (products wrap mod 2^64, as on the host)."""
+    """MurmurHash3's 64-bit finalizer elementwise on int64 bit patterns (products wrap mod
+    2^64; `qsa.arena.digest.fmix64_array` is the same on the host)."""
     x = x ^ _shr(x, 33)
     x = x * _signed(C1)
     x = x ^ _shr(x, 33)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from qsa.arena.fields import kv_field_names
-from qsa.cases import (Case, CaseSpec, make_case, poison_, random_selection,
+from qsa.cases import (Case, CaseSpec, make_batch, make_case, poison_, random_selection,
                        touched_kv_pool)
 from qsa.configs import BlockConfig
 from qsa.formats import dequantize_index
@@ -354,22 +354,26 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
           else sparse_gqa.sparse_gqa_prefill)
     p, fmt = point.preset, point.kv_format
     if point.selection == "random":
-        case = _case(point, device, dev, build_kv=False)
-        ids = random_selection(case.batch, p, torch.Generator(device=device).manual_seed(
-            point.seed + 7))
-        batch, pools = touched_kv_pool(case.batch, ids, p, (fmt,), point.seed + 8,
+        # Only the page table, q and the selected pages: no index path, no whole contexts.
+        spec = CaseSpec.decode(p, point.batch, point.context, point.rows, seed=point.seed)
+        full = make_batch(spec, torch.Generator().manual_seed(point.seed), device)
+        gen = torch.Generator(device=device).manual_seed(point.seed + 7)
+        q = torch.randn((full.num_rows, p.num_q_heads, p.head_dim), generator=gen,
+                        device=device).to(torch.bfloat16)
+        ids = random_selection(full, p, gen)
+        batch, pools = touched_kv_pool(full, ids, p, (fmt,), point.seed + 8,
                                        dev.fp8_dtype or torch.float8_e4m3fn)
         cache = pools[fmt]
     else:
         case = _case(point, device, dev, build_kv=True)
         scores = score_reference(case.cache, case.batch, case.q_index, p, point.index_format)
         ids = topk_expand_reference(scores, case.batch, p)
-        batch, cache = case.batch, case.cache
-    want = sparse_gqa_reference(case.q, cache, batch, ids, fmt, p.softmax_scale)
+        batch, cache, q = case.batch, case.cache, case.q
+    want = sparse_gqa_reference(q, cache, batch, ids, fmt, p.softmax_scale)
     work = sparse_gqa.work(ids, batch, p, fmt)
     kv = {k: kernel_view(cache[k], device) for k in kv_field_names(cache)}
-    sets = rotation_sets({**kv, "q": kernel_view(case.q, device)}, work, dev)
-    outs = [torch.empty(case.q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
+    sets = rotation_sets({**kv, "q": kernel_view(q, device)}, work, dev)
+    outs = [torch.empty(q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
 
     # A random-selection pool holds only the selected pages: the page table has holes (-1)
     # that the batch check would refuse, so only the reference comparison checks the call.
@@ -416,6 +420,13 @@ def prepare(point: Point, device: str | None = None) -> Prepared:
     return _PREPARERS[point.op](point, device, dev)
 
 
+def _verified_record(point: Point, config: BlockConfig | None) -> dict[str, Any]:
+    """The columns of a verified point before its timing: shape, kernel, config."""
+    return {**point.as_record(), "kernel": KERNEL_OF[point.op],
+            "config": json.dumps(config.as_dict() if config else None, sort_keys=True),
+            "verified": True}
+
+
 def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
                      samples: int | None = None, twice: bool = False) -> dict[str, Any]:
     """Verify, then time, one prepared point under one config; one flat record. With `twice`,
@@ -436,10 +447,7 @@ def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
     ceilings = load_or_measure_ceilings(dev) if dev.is_gpu else None
     matrix = "fp8" if prep.point.fmt == "fp8" and prep.point.op == "score_prefill" else "bf16"
     rec: dict[str, Any] = {
-        **prep.point.as_record(),
-        "kernel": KERNEL_OF[prep.point.op],
-        "config": json.dumps(config.as_dict() if config else None, sort_keys=True),
-        "verified": True,
+        **_verified_record(prep.point, config),
         **timing.as_record(),
         **{k: v for k, v in repeat.items() if k.startswith(("repeat_", "noise_"))},
         **roofline_record(timing, prep.work, ceilings, matrix=matrix),
@@ -468,7 +476,6 @@ def measure(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int,
                 prepare(point, device).check(config)
             finally:
                 _ROTATE.reset(token)
-            rec = {**point.as_record(), "kernel": KERNEL_OF[op], "verified": True, "us": None,
-                   "config": json.dumps(config.as_dict() if config else None, sort_keys=True)}
+            rec = {**_verified_record(point, config), "us": None}
     rec["env"] = json.dumps(env or {}, sort_keys=True)
     return rec

@@ -9,6 +9,7 @@ replayed, which includes the gaps between kernels that a server sees.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,16 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
                         "share": t.median_us / total, "method": t.method,
                         "functional_only": t.functional_only})
     return pd.concat([df, pd.DataFrame(summary)], ignore_index=True)
+
+
+def step_breakdowns(preset: str | ModelPreset, batch: int, context: int, mtp: int | None,
+                    pairs: Sequence[tuple[str, str]], progress: bool = False
+                    ) -> Iterator[pd.DataFrame]:
+    """`step_breakdown` for each (index format, KV format) pair, in order, each frame tagged
+    with its pair: the side-by-side step of `qsa step --formats` and of suites."""
+    for idx, kv in pairs:
+        yield step_breakdown(preset, batch, context, mtp, idx, kv,
+                             progress=progress).assign(index_format=idx, kv_format=kv)
 
 
 def _run_step(preps: list[tuple[StepCall, Prepared]], i: int) -> None:

@@ -187,9 +187,10 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
     every point verified on one input set and not timed, steps and targets skipped (a quick
     check, or a run under a memory checker)."""
     from qsa.formats import format_pairs
+    from qsa.measure.files import atomic_write_bytes
     from qsa.measure.results import start_run
     from qsa.workbench.ops import measure
-    from qsa.workbench.step import step_breakdown
+    from qsa.workbench.step import step_breakdowns
 
     preset = dataclasses.asdict(suite.preset)
     with start_run("suite", root=root, extra={"suite": suite.name, "preset": preset,
@@ -197,7 +198,7 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
                                                "steps": len(suite.steps),
                                                "verify_only": verify_only}) as run:
         for pt in suite.points:
-            args = {"rows": 4, **pt}
+            args = {"rows": suite.preset.rows_per_verify, **pt}
             try:
                 rec = measure(args.pop("op"), preset=suite.preset, timed=not verify_only,
                               **args)
@@ -211,15 +212,13 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
         step_frames = []
         for s in () if verify_only else suite.steps:
             frames = []
-            for idx, kv in format_pairs(s["formats"]):
-                df = step_breakdown(suite.preset, s["batch"], s["context"], s.get("mtp"), idx,
-                                    kv)
-                frames.append(df.assign(index_format=idx, kv_format=kv))
+            for df in step_breakdowns(suite.preset, s["batch"], s["context"], s.get("mtp"),
+                                      format_pairs(s["formats"])):
+                frames.append(df)
                 for r in df.to_dict("records"):
                     rec = {"record": "step", "suite": suite.name, "preset": suite.preset.name,
-                           "batch": s["batch"],
-                           "context": s["context"], "index_format": idx, "kv_format": kv,
-                           "mtp": s.get("mtp"), "verified": True, **r}
+                           "batch": s["batch"], "context": s["context"], "mtp": s.get("mtp"),
+                           "verified": True, **r}
                     run.add(rec)
                     if on_row and r["kernel"] == "sum of kernels":
                         on_row(rec)
@@ -229,8 +228,10 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
         results = [] if verify_only else [t.evaluate(rows) for t in suite.targets]
         if not verify_only:
             _figures(suite, rows, step_frames, run.directory)
-        (run.directory / "targets.json").write_text(json.dumps(results, indent=1) + "\n")
-        (run.directory / "targets.md").write_text(targets_markdown(results, run.run_id))
+        atomic_write_bytes(run.directory / "targets.json",
+                           (json.dumps(results, indent=1) + "\n").encode())
+        atomic_write_bytes(run.directory / "targets.md",
+                           targets_markdown(results, run.run_id).encode())
     return run.directory, results
 
 
