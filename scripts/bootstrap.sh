@@ -17,15 +17,18 @@ if [ ! -x "$venv/bin/python" ]; then
   # A launching python that is itself a virtual environment (a container's /opt/.../venv): the
   # flag above exposes its *base* interpreter's packages, not that environment's, so the host's
   # torch and triton would be missing and a second torch would be installed. A .pth file puts
-  # that environment's site-packages on the new venv's path instead (conda and system pythons
-  # are not venvs and need nothing).
+  # that environment's site-packages on the new venv's path instead, as a site directory so
+  # its own .pth files count too (an environment layered on another one the same way); conda
+  # and system pythons are not venvs and need nothing.
   parent="$("$py" -c 'import sys, sysconfig
 p = sysconfig.get_paths()
 if sys.prefix != sys.base_prefix:
     print("\n".join(dict.fromkeys([p["purelib"], p["platlib"]])))')"
   if [ -n "$parent" ]; then
     site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    printf '%s\n' "$parent" > "$site/qsa_parent_environment.pth"
+    while IFS= read -r dir; do
+      printf 'import site; site.addsitedir(%s)\n' "$("$py" -c 'import sys; print(repr(sys.argv[1]))' "$dir")"
+    done <<< "$parent" > "$site/qsa_parent_environment.pth"
     echo "[qsa] $py is a virtual environment: its packages are used ($parent)" >&2
   fi
 fi
