@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from qsa.cases import Case, CaseSpec, make_case, poison_
-from qsa.configs import BlockConfig
-from qsa.kernels.common import KernelInputError
+from qsa.configs import BlockConfig, get_config
+from qsa.kernels.common import KernelInputError, backend_and_arch
 from qsa.kernels.sparse_gqa import (MAX_SPLITS, choose_splits, sparse_gqa_decode,
                                     sparse_gqa_prefill, split_count, work)
 from qsa.paging import PagedBatch
@@ -48,6 +48,12 @@ def _case(kv_format: str, group: int, block_size: int, shape: tuple, seed: int =
     case = make_case(CaseSpec(p, shape[0], shape[1], kv_format=kv_format, seed=seed), DEVICE)
     scores = score_reference(case.cache, case.batch, case.q_index, p, "bf16")
     return case, topk_expand_reference(scores, case.batch, p)
+
+
+def _slots_config(kv_format: str, rows: int, slots: int) -> BlockConfig:
+    """This device's table entry with the id -> slot pre-pass switched on or off."""
+    entry = get_config("sparse_gqa_decode", backend_and_arch()[1], kv_format, rows)
+    return entry.config.with_meta(SLOTS=slots)
 
 
 def _tol(ref: torch.Tensor) -> dict:
@@ -105,10 +111,12 @@ def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) 
 
 
 @pytest.mark.interp_surrogate
+@pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_order_strides_and_unchecked_ids(kv_format: str) -> None:
+def test_order_strides_and_unchecked_ids(kv_format: str, slots: int) -> None:
     """Ids in any order, q, id and cache views with padded outer strides, and (unchecked) an id
-    past its request's context, which the kernel must skip rather than read."""
+    past its request's context, which the kernel must skip rather than read; with and without
+    the id -> slot pre-pass (SLOTS), which must skip it too."""
     case, ids = _case(kv_format, 12, 16, DECODE)
     g = torch.Generator().manual_seed(5)
     shuffled = ids.clone()
@@ -135,7 +143,8 @@ def test_order_strides_and_unchecked_ids(kv_format: str) -> None:
     out = poisoned(tuple(case.q.shape), OUT_DTYPE)
     assert q.stride(0) != q[0].numel() and past.stride(0) != past.shape[1]
     sparse_gqa_decode(q, cache, case.batch, past, case.preset, kv_format, out=out,
-                      num_splits=2, check=False)
+                      num_splits=2, check=False,
+                      config=_slots_config(kv_format, q.shape[0], slots))
     torch.testing.assert_close(out.float(), ref, **_tol(ref))
 
 
@@ -297,17 +306,19 @@ def _gpu_case(kv_format: str, preset_name: str, block_size: int, shape: tuple, s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 @pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_gpu_decode(kv_format: str, block_size: int, preset_name: str,
-                    splits: int | None) -> None:
+                    splits: int | None, slots: int) -> None:
     case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
     ids = ids.clone()
     ids[-1] = -1
     ref = _reference(case, ids, kv_format)
-    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+               config=_slots_config(kv_format, ids.shape[0], slots))
     torch.testing.assert_close(out, ref, **_tol(ref))
 
 

@@ -8,6 +8,10 @@ Design, and why:
   stacked: they would not share K tiles.
 * Token ids are looked up through the page table per token; a selected group is a 4-token run
   inside one page, so loads are full head_dim rows (512 B in BF16) and never straddle a page.
+  With the config's SLOTS=1 a small kernel first turns every id into its cache slot
+  (block * PAGE + offset, -1 for none), so the K/V gathers in the loop sit one dependent load
+  deep instead of two (ids -> page table -> K/V) and the software pipeliner keeps more tiles
+  in flight; it costs a launch, so the small-batch entries leave it off.
 * Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
 * FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
   probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
@@ -48,7 +52,7 @@ MAX_M = 128
 MAX_SPLITS = 64
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS")
+              "MERGE_WARPS", "SLOTS")
 _REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT")
 
 
@@ -69,14 +73,18 @@ def _row_request(qs_ptr, row, batch, BATCH_P2: tl.constexpr):
 @triton.jit
 def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """E4M3 V codes [N, D] as the fp16 B operand of the PV product, converted in the layout
-    they were loaded in. PV reduces over tokens, the strided dim of a token-major tile: left
-    alone, Triton moves the conversion after the shared-memory read of the dot operand, which
-    then reads the 8-bit codes byte by byte (no 8-bit transposing ldmatrix on sm90) and holds
-    the whole tile twice in registers. The split/join round trip is an identity the layout
-    optimizer can not move a conversion across, so the codes convert where they were loaded
-    (one packed instruction per two codes) and fp16 reaches the MMA through ldmatrix.trans."""
-    a, b = tl.split(tl.reshape(v.to(tl.float16), (BLOCK_N, D // 2, 2)))
-    return tl.reshape(tl.join(a, b), (BLOCK_N, D))
+    they were loaded in (one packed instruction per two codes), so fp16 reaches the MMA through
+    a conflict-free ldmatrix.trans. PV reduces over tokens, the strided dim of a token-major
+    tile, and two compiler choices must be stopped (measured with ncu on sm90,
+    profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md):
+    * left alone, Triton moves the conversion after the shared-memory read of the operand,
+      which then reads the 8-bit codes byte by byte (no 8-bit transposing ldmatrix on sm90);
+    * Triton sizes the operand's k-width from the narrowest load it can trace the value back
+      to (8 bits here), and the wider k-width makes ldmatrix.trans read 4-way bank-conflicted
+      rows (41% of all shared-memory wavefronts of the kernel).
+    A max over a size-1 axis is an identity that neither the conversion hoisting nor that trace
+    goes through."""
+    return tl.max(tl.reshape(v.to(tl.float16), (BLOCK_N, D, 1)), axis=2).to(tl.float16)
 
 
 @triton.jit(repr=_attention_repr)
@@ -88,7 +96,8 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
                        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
-                       FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr):
+                       FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr,
+                       SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % num_splits
     unit = pid // num_splits
@@ -126,10 +135,15 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     for i in range(SPLIT_BLOCKS):
         n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
         ids = tl.load(ids_row + n, mask=n < width, other=-1)
-        page = ids // PAGE
-        valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
-        blk = tl.load(bt_row + page, mask=valid, other=-1)
-        valid = valid & (blk >= 0) & (blk < num_blocks)
+        if SLOTS:
+            # ids are cache slots (block * PAGE + offset, -1 for none): one dependent level
+            valid = ids >= 0
+            blk = ids // PAGE
+        else:
+            page = ids // PAGE
+            valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+            blk = tl.load(bt_row + page, mask=valid, other=-1)
+            valid = valid & (blk >= 0) & (blk < num_blocks)
         blk64 = blk.to(tl.int64)
         tok = (ids % PAGE) * HKV
         kv_off = tok * D + head_off
@@ -193,6 +207,25 @@ def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
     row = rh // HQ
     h = rh % HQ
     tl.store(out_ptr + row * stride_or + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _slots_kernel(ids_ptr, bt_ptr, ctx_ptr, qs_ptr, slots_ptr, batch, num_blocks, max_pages,
+                  width, stride_ir, stride_bt, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                  BATCH_P2: tl.constexpr):
+    """Token ids of one row -> cache slots (block * PAGE + offset), -1 where the id is padding,
+    outside the request's context or its page is outside the pool."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    req = _row_request(qs_ptr, row, batch, BATCH_P2)
+    ctx = tl.load(ctx_ptr + req)
+    ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ir + n, mask=n < width, other=-1)
+    page = ids // PAGE
+    valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + page, mask=valid, other=-1)
+    valid = valid & (blk >= 0) & (blk < num_blocks)
+    tl.store(slots_ptr + row.to(tl.int64) * width + n, tl.where(valid, blk * PAGE + ids % PAGE, -1),
+             mask=n < width)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,22 +389,31 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
                                                config, num_splits)
     units = rows * hkv
     split = num_splits > 1
+    bp2 = max(64, triton.next_power_of_2(batch.batch))  # one variant for batch <= 64
+    slots = bool(host.get("SLOTS", 0))
+    ids = token_ids
+    if slots:
+        ids = torch.empty((rows, width), dtype=torch.int32, device=q.device)
+        _slots_kernel[(rows, triton.cdiv(width, 1024))](
+            token_ids, batch.block_table, batch.context_lens, batch.query_start, ids,
+            batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
+            batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
+            num_warps=4)
     if split:
         po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = lse = out  # unread placeholders
     _sparse_gqa_kernel[(units * num_splits,)](
-        q, kc, vc, ks, vs, token_ids, batch.block_table, batch.context_lens, batch.query_start,
+        q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
         out, po, lse,
         batch.batch, kc.shape[0], batch.block_table.shape[1], width, num_splits,
-        q.stride(0), q.stride(1), token_ids.stride(0), batch.block_table.stride(0),
+        q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
         kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
         preset.softmax_scale * LOG2E,
         HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(g)),
         PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
-        BATCH_P2=max(64, triton.next_power_of_2(batch.batch)),  # one variant for batch <= 64
-        FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, **kw)
+        BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots, **kw)
     if split:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](
