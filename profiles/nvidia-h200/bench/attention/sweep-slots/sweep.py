@@ -2,7 +2,8 @@
 per request: every candidate verified against the float32 reference before it is timed
 (qsa tune, graph replay, inputs rotated past the L2), the table entry first.
 Usage: python3 sweep.py OUT_DIR GRID_JSON [write]
-GRID_JSON: {"<batch>[@<context>]": {"<kv format>": [[BLOCK_N, warps, stages, SLOTS], ...]}}
+GRID_JSON: {"<batch>[@<context>]": {"<kv format>": [[BLOCK_N, warps, stages, SLOTS
+[, SPLIT_RESIDENT_PER_SM]], ...]}}
 (context 131072 unless given); `write` stores each shape's winner in the config table."""
 import json
 import sys
@@ -22,8 +23,9 @@ def main() -> None:
     for key, per_fmt in json.loads(sys.argv[2]).items():
         batch, _, ctx = key.partition("@")
         for fmt, tiles in per_fmt.items():
-            cands = [{"meta": {"BLOCK_N": bn, "SLOTS": slots}, "num_warps": w, "num_stages": s}
-                     for bn, w, s, slots in tiles]
+            cands = [{"meta": {"BLOCK_N": t[0], "SLOTS": t[3],
+                               **({"SPLIT_RESIDENT_PER_SM": t[4]} if len(t) > 4 else {})},
+                      "num_warps": t[1], "num_stages": t[2]} for t in tiles]
             df = tune("sparse_gqa_decode", batch=int(batch), context=int(ctx or 131072),
                       rows=4, kv_format=fmt, selection="random", candidates=cands,
                       progress=False, write=write)
