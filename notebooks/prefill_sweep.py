@@ -19,6 +19,9 @@
 # unsplit with a throughput-sized config. This notebook measures both over chunk rows x
 # context, verified against the float32 reference before timing.
 #
+# The last section rolls a chunk up through every QSA layer of the model (the decode step's
+# view, `qsa step --phase prefill`): µs per kernel per chunk, summed and graph-replayed.
+#
 # **Run on a GPU:** set `profile = "gpu"` (chunks of 512-8192 rows at 8K-128K context).
 # The CPU default is a functional check under the Triton interpreter (times mean nothing); it
 # uses the 2-way tensor-parallel preset (half the heads) with a top-k of 32 groups to stay fast.
@@ -33,6 +36,8 @@ batch = 1
 index_format = "bf16"
 kv_format = "bf16"
 prefill_ops = ["score_prefill", "sparse_gqa_prefill"]
+rollup_rows = None  # chunk rows of the per-chunk roll-up; None: the grid's largest per context
+mtp = None  # MTP draft depth of the roll-up (the draft layer runs over the chunk); None: preset's
 samples = None  # timing samples per point; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
 results_root = "profiles"
@@ -96,3 +101,45 @@ out = wb.figures_dir(run.directory, figures_dir)
 figs = plots.figures_for(df, "prefill", out, [meta])
 wb.show(*figs)
 print(f"{sum(len(f.paths) for f in figs)} figure files in {out}")
+
+# %% [markdown]
+# ## One chunk through every QSA layer
+# The chunk's kernels as the model runs them: per QSA layer compress, K/V store, prefill
+# scorer, top-k + expand and sparse GQA prefill on the chunk's rows (target), and with MTP the
+# draft layer once over the same rows. µs per chunk, summed and, on a GPU, as one replayed
+# graph.
+
+# %%
+from qsa.workbench.step import step_breakdown
+
+step_run = start_run("prefill-step", root=results_root, device=dev,
+                     extra={"notebook": "prefill_sweep", "profile": profile, "grid": g,
+                            "mtp": mtp})
+with step_run:
+    for name, c in product(g["preset"], g["context"]):
+        p = wb.make_preset(name, overrides)
+        fits = [r for r in g["rows"] if r <= c]
+        chunk = rollup_rows if rollup_rows is not None else max(fits, default=None)
+        if chunk is None:
+            continue
+        steps = step_breakdown(p, batch, c, mtp=mtp, index_format=index_format,
+                               kv_format=kv_format, device=None if dev.is_gpu else "cpu",
+                               samples=samples, phase="prefill", rows=chunk)
+        for rec in steps.to_dict("records"):
+            step_run.add({**rec, "preset": p.name, "batch": batch, "context": c,
+                          "chunk_rows": chunk, "index_format": index_format,
+                          "kv_format": kv_format, "mtp": mtp})
+        total = steps.loc[steps["kernel"] == "sum of kernels", "us_per_step"].iloc[0]
+        print(f"{p.name} context {c:7d} chunk {chunk:5d} rows: {total:12.2f} µs per chunk "
+              "(sum of kernels)")
+        step_run.flush()
+sdf, smeta = load_run(step_run.directory)
+print("results:", step_run.directory)
+sdf.pivot_table(index=["phase", "kernel"], columns=["context", "chunk_rows"],
+                values="us_per_step", sort=False).round(3)
+
+# %%
+sout = wb.figures_dir(step_run.directory, figures_dir)
+sfigs = plots.figures_for(sdf, "prefill-step", sout, [smeta])
+wb.show(*sfigs)
+print(f"{sum(len(f.paths) for f in sfigs)} figure files in {sout}")

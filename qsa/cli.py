@@ -265,8 +265,14 @@ def _format_pairs(s: str) -> list[tuple[str, str]]:
 
 @app.command()
 def step(preset: str = PRESET_OPT,
-         batch: int = typer.Option(8, help="requests in the step"),
-         context: str = typer.Option("32K", help="context per request, e.g. 32K"),
+         phase: str = typer.Option("decode", help="decode (one step of MTP verify and draft "
+                                   "calls) or prefill (one chunk of --rows rows per request)"),
+         batch: Optional[int] = typer.Option(None, help="requests in the step (default: 8 for "
+                                             "decode, 1 for prefill)"),
+         context: str = typer.Option("32K", help="context per request, e.g. 32K (for prefill "
+                                     "the chunk's last position + 1)"),
+         rows: Optional[int] = typer.Option(None, help="prefill: rows (new tokens) of the "
+                                            "chunk per request"),
          mtp: Optional[int] = typer.Option(None, help="MTP draft tokens (verify rows = mtp + 1); "
                                            "default: the preset's"),
          index_format: str = typer.Option("bf16", help="target index format"),
@@ -276,31 +282,40 @@ def step(preset: str = PRESET_OPT,
                         "bf16/bf16,fp8/fp8,mxfp4/fp8 (overrides --index-format/--kv-format); "
                         "speedups are against the first"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
-    """Per-step µs of every QSA kernel (target verify + draft calls): sum and graph replay."""
+    """Per-step µs of every QSA kernel (decode: target verify + draft calls; prefill: one
+    chunk through every QSA layer): sum and graph replay."""
     from qsa.measure.results import start_run
     from qsa.workbench.step import step_breakdowns, step_comparison
 
     ctx = _one_int(context)
+    if batch is None:
+        batch = 1 if phase == "prefill" else 8
     if mtp is None:
         mtp = get_preset(preset).mtp_draft_tokens
     pairs = _format_pairs(formats) if formats else [(index_format, kv_format)]
+    what = (f"prefill chunk of {rows} rows" if phase == "prefill" else "decode step")
     frames = []
-    for df in step_breakdowns(preset, batch, ctx, mtp, pairs, progress=True):
-        _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call",
-                         "us_per_step", "share", "method"]],
-                     f"{preset} step: batch {batch} x {ctx}, MTP {mtp}, index "
-                     f"{df['index_format'].iloc[0]}, KV {df['kv_format'].iloc[0]}")
-        frames.append(df)
+    try:
+        for df in step_breakdowns(preset, batch, ctx, mtp, pairs, progress=True, phase=phase,
+                                  rows=rows):
+            _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call",
+                             "us_per_step", "share", "method"]],
+                         f"{preset} {what}: batch {batch} x {ctx}, MTP {mtp}, index "
+                         f"{df['index_format'].iloc[0]}, KV {df['kv_format'].iloc[0]}")
+            frames.append(df)
+    except ValueError as e:  # a bad phase, rows, shape or format, named by the message
+        raise typer.BadParameter(str(e)) from None
     with start_run("step", root=out, extra={"preset": preset, "batch": batch, "context": ctx,
-                                            "mtp": mtp, "formats": pairs}) as run:
+                                            "mtp": mtp, "formats": pairs, "step_phase": phase,
+                                            "rows": rows}) as run:
         for df in frames:
-            run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp}
-                         for r in df.to_dict("records"))
+            run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp,
+                          "chunk_rows": rows} for r in df.to_dict("records"))
         if len(frames) > 1:
             from qsa.measure.device import detect_device
 
             cmp = step_comparison(frames, run.directory / "step_formats.png",
-                                  f"{preset}: batch {batch} x {ctx}, MTP {mtp}; "
+                                  f"{preset}: {what}, batch {batch} x {ctx}, MTP {mtp}; "
                                   f"{detect_device().name}, graph replay per kernel, cold L2")
             _print_frame(cmp, "step side by side (speedup against the first pair)")
     console.print(f"results: {run.directory}")

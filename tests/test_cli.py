@@ -48,6 +48,10 @@ def test_capacity_table_prints_ratios():
 def test_one_shape_commands_refuse_lists_and_bad_env():
     res = runner.invoke(app, ["step", "--context", "8K,32K"])
     assert res.exit_code != 0 and "takes one value" in res.output
+    res = runner.invoke(app, ["step", "--phase", "prefill"])
+    assert res.exit_code != 0 and "a prefill chunk needs its rows" in res.output
+    res = runner.invoke(app, ["step", "--phase", "verify", "--rows", "8"])
+    assert res.exit_code != 0 and "is not one of decode, prefill" in res.output
     res = runner.invoke(app, ["bench", "--env", "QSA_STACKED_DECODE_SCORER"])
     assert res.exit_code != 0 and "is not NAME=VALUE" in res.output
 

@@ -27,7 +27,7 @@ NOTEBOOKS = sorted(p.stem for p in (REPO / "notebooks").glob("*.py"))
 # The run kinds each measuring notebook files, and whether their rows are timings.
 KINDS = {
     "decode_scoring_sweep": {"decode-scoring": True},
-    "prefill_sweep": {"prefill": True},
+    "prefill_sweep": {"prefill": True, "prefill-step": True},
     "sparse_gqa_decode": {"sparse-gqa-decode": True},
     "block_config_tuning": {"config-tuning": True},
     "step_breakdown": {"step-breakdown": True},

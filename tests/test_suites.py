@@ -33,6 +33,10 @@ def test_every_shipped_suite_parses():
     ("name: x\ngrids: [{op: compress}]\ntargets: [{name: t, metric: us, where: {}, min: 1, "
      "max: 2}]", "exactly one of min or max"),
     ("name: x\nsteps: [{batch: 1}]", "needs batch, context, formats"),
+    ("name: x\nsteps: [{batch: 1, context: 64, formats: [bf16/bf16], phase: prefill}]",
+     "a prefill step needs its rows"),
+    ("name: x\nsteps: [{batch: 1, context: 64, formats: [bf16/bf16], rows: 8}]",
+     "rows go with phase prefill"),
     ("name: x", "no grids and no steps"),
     ("name: x\ngrid: []", "unknown keys ['grid']"),
 ])

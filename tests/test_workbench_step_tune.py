@@ -40,6 +40,61 @@ def test_step_breakdown_sums(monkeypatch):
     assert len(kernels) == 10  # 5 kernels x (target, draft)
 
 
+def test_prefill_calls_are_one_chunk_through_every_layer():
+    p = get_preset()
+    calls = step_mod.step_calls(p, 3, "fp8", "fp8", phase="prefill", rows=4096)
+    target = [c for c in calls if c.phase == "target"]
+    draft = [c for c in calls if c.phase == "draft"]
+    assert [c.op for c in target] == ["compress", "kv_store", "score_prefill", "topk_expand",
+                                      "sparse_gqa_prefill"]
+    assert {c.rows for c in calls} == {4096}
+    assert {c.calls_per_step for c in target} == {len(p.qsa_layers)}
+    # the draft module runs over the chunk once per draft layer, not once per draft token
+    assert {c.calls_per_step for c in draft} == {p.draft_layers}
+    assert not [c for c in step_mod.step_calls(p, 0, "bf16", "bf16", phase="prefill", rows=8)
+                if c.phase == "draft"]
+    with pytest.raises(ValueError, match="a prefill chunk needs its rows"):
+        step_mod.step_calls(p, 3, "bf16", "bf16", phase="prefill")
+    with pytest.raises(ValueError, match="give rows only with phase prefill"):
+        step_mod.step_calls(p, 3, "bf16", "bf16", rows=4)
+    with pytest.raises(ValueError, match="phase: 'verify' is not one of decode, prefill"):
+        step_mod.step_calls(p, 3, "bf16", "bf16", phase="verify")
+
+
+def test_prefill_breakdown_sums():
+    df = step_mod.step_breakdown(TINY, batch=1, context=48, mtp=1, samples=1, phase="prefill",
+                                 rows=16)
+    kernels = df[df["phase"] != "step"]
+    assert set(kernels["rows"]) == {16}
+    assert {"score_prefill", "sparse_gqa_prefill"} <= set(kernels["kernel"])
+    total = df[df["kernel"] == "sum of kernels"]["us_per_step"].item()
+    assert total == pytest.approx(kernels["us_per_step"].sum())
+    assert len(kernels) == 10  # 5 kernels x (target, draft)
+
+
+def test_a_step_that_can_not_be_captured_is_not_called_a_graph_replay(monkeypatch):
+    """When a call of the step can not be captured, the whole-step timing falls back to
+    device events (host gaps included); its row must say so, not read `graph replay`."""
+    from qsa.measure.timing import METHOD_EVENTS, Timing
+
+    def fake_measure(prep, config=None, samples=None, twice=False):
+        return {"us": 2.0, "method": "graph_replay", "functional_only": False}
+
+    def fake_time(fn, n_sets, method="auto", **kw):
+        fn(0)
+        return Timing(5.0, 5.0, 5.0, 5.0, 0.0, 1, (5.0,), METHOD_EVENTS, "rotate", 1,
+                      note="graph capture failed (KernelInputError: ...); used device events")
+
+    monkeypatch.setattr(step_mod, "measure_prepared", fake_measure)
+    monkeypatch.setattr(step_mod, "time_fn", fake_time)
+    df = step_mod.step_breakdown(TINY, batch=1, context=24, mtp=0)
+    whole = df[df["phase"] == "step"].set_index("kernel")
+    assert "graph replay" not in whole.index
+    row = whole.loc[f"whole step ({METHOD_EVENTS})"]
+    assert row["method"] == METHOD_EVENTS and "capture failed" in row["note"]
+    assert whole.loc["sum of kernels", "method"] == "graph_replay"  # the calls were captured
+
+
 def test_config_space_keeps_backends_apart():
     base = BlockConfig({"BLOCK_N": 64, "SPLIT": 1}, 4, 2)
     cuda = tune_mod.config_space("score_stacked", base, "cuda", max_candidates=500)

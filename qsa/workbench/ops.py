@@ -224,7 +224,10 @@ def _prepare_score(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     mod = {"score_stacked": score_stacked, "score_rowwise": score_rowwise,
            "score_prefill": score_prefill}[point.op]
     fn = getattr(mod, point.op)
-    extra = {"max_rows_per_request": point.rows} if point.op == "score_stacked" else {}
+    # The row bound the wrapper would otherwise read from the device: without it a call can
+    # not be captured in a graph, and its timing falls back to device events.
+    extra = ({"max_rows_per_request": point.rows}
+             if point.op in ("score_stacked", "score_prefill") else {})
     case = _case(point, device, dev, build_kv=False)
     p, fmt = point.preset, point.index_format
     want = score_reference(case.cache, case.batch, case.q_index, p, fmt)

@@ -735,22 +735,33 @@ def _config_tuning(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResu
                                            "index_format", "kv_format", "arch")]
 
 
-def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
-    """Kernel rows stacked as `<kernel> (<phase>)`; the step rows (sum, graph replay) are
-    totals, not parts."""
+def _stacked_steps(df: pd.DataFrame, out: Path, caption: str, split: tuple[str, ...],
+                   x: tuple[str, ...], name: str, what: str) -> list[FigureResult]:
+    """Kernel rows stacked as `<kernel> (<phase>)`, one bar per `x` value and one figure per
+    `split` combination; the step rows (sum, graph replay) are totals, not parts."""
     figs = []
-    for sfx, label, part in _split(df, "preset", "index_format", "kv_format", "mtp"):
+    for sfx, label, part in _split(df, *split):
         is_step = part["phase"] == "step" if "phase" in part else pd.Series(False, part.index)
         calls = part[~is_step]
         if "phase" in calls:
             calls = calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")")
         replay = part[is_step & (part["kernel"] == "graph replay")]
-        figs.append(step_stacked_bars(calls, out, stack="call" if "call" in calls else "kernel",
-                                      totals=replay, name=f"step_breakdown{sfx}",
-                                      caption=caption,
-                                      title=f"Per-step µs by kernel, {part['preset'].iloc[0]}"
-                                            f"{label}"))
+        figs.append(step_stacked_bars(calls, out, x=x,
+                                      stack="call" if "call" in calls else "kernel",
+                                      totals=replay, name=f"{name}{sfx}", caption=caption,
+                                      title=f"{what}, {part['preset'].iloc[0]}{label}"))
     return figs
+
+
+def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "mtp"),
+                          ("batch", "context"), "step_breakdown", "Per-step µs by kernel")
+
+
+def _prefill_step(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch"),
+                          ("chunk_rows", "context"), "prefill_step",
+                          "µs per prefill chunk by kernel")
 
 
 def _capacity(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
@@ -784,6 +795,7 @@ RECIPES: dict[str, Recipe] = {
     "sparse-gqa-decode": _sparse_gqa_decode,
     "config-tuning": _config_tuning,
     "step-breakdown": _step_breakdown,
+    "prefill-step": _prefill_step,
     "formats-capacity": _capacity,
     "formats-attention-error": _attention_error,
     "formats-topk-recall": _topk_recall,

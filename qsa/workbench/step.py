@@ -1,9 +1,13 @@
-"""Per-step roll-up: what one decode step of the model spends in QSA kernels.
+"""Per-step roll-up: what one decode step, or one prefill chunk, of the model spends in QSA
+kernels.
 
-A step (MTP depth m) runs, per request, the target's QSA layers on m+1 verify rows each, and the
-draft layer m times on one row (spec section 2). The table gives every kernel's µs per call,
-calls per step and share, summed; and, on a GPU, the same step captured once as a graph and
-replayed, which includes the gaps between kernels that a server sees.
+A decode step (MTP depth m) runs, per request, the target's QSA layers on m+1 verify rows each,
+and the draft layer m times on one row (spec section 2). A prefill chunk of R rows runs the
+target's QSA layers once each on the R rows, with the prefill kernels (matrix-tile scorer,
+unsplit sparse GQA), and, with MTP, the draft layer once on the same R rows: engines run the
+draft module over the prompt so that its own cache holds the chunk. The table gives every
+kernel's µs per call, calls per step and share, summed; and, on a GPU, the same step captured
+once as a graph and replayed, which includes the gaps between kernels that a server sees.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from qsa.measure.timing import time_fn
+from qsa.measure.timing import METHOD_GRAPH, time_fn
 from qsa.presets import ModelPreset, as_preset
 from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
 
-# Kernels of one layer pass, in execution order; the scorer is chosen like the runtime does.
-LAYER_OPS: tuple[str, ...] = ("compress", "kv_store", "score", "topk_expand",
-                              "sparse_gqa_decode")
+# Kernels of one layer pass per phase, in execution order; the decode scorer is chosen like
+# the runtime does ("score").
+LAYER_OPS: dict[str, tuple[str, ...]] = {
+    "decode": ("compress", "kv_store", "score", "topk_expand", "sparse_gqa_decode"),
+    "prefill": ("compress", "kv_store", "score_prefill", "topk_expand", "sparse_gqa_prefill"),
+}
+PHASES = tuple(LAYER_OPS)
 
 
 def decode_scorer_op() -> str:
@@ -46,31 +54,44 @@ class StepCall:
 
 
 def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
-               draft_index_format: str = "bf16", draft_kv_format: str = "bf16"
-               ) -> list[StepCall]:
-    """The kernel calls of one decode step, one entry per distinct (phase, op) call shape."""
+               draft_index_format: str = "bf16", draft_kv_format: str = "bf16", *,
+               phase: str = "decode", rows: int | None = None) -> list[StepCall]:
+    """The kernel calls of one decode step (`phase` "decode") or of one prefill chunk of `rows`
+    rows per request (`phase` "prefill"), one entry per distinct (phase, op) call shape."""
     if mtp < 0:
         raise ValueError(f"mtp: must be >= 0, got {mtp}")
+    if phase not in LAYER_OPS:
+        raise ValueError(f"phase: {phase!r} is not one of {', '.join(PHASES)}")
+    if phase == "prefill" and (rows is None or rows < 1):
+        raise ValueError(f"rows: a prefill chunk needs its rows per request (>= 1), got {rows}")
+    if phase == "decode" and rows is not None:
+        raise ValueError("rows: a decode step's rows follow from MTP (mtp + 1 verify rows); "
+                         "give rows only with phase prefill")
     score = decode_scorer_op()
-    ops = [score if o == "score" else o for o in LAYER_OPS]
-    calls = [StepCall("target", o, mtp + 1, len(preset.qsa_layers), index_format, kv_format)
-             for o in ops]
+    ops = [score if o == "score" else o for o in LAYER_OPS[phase]]
+    target_rows, draft_rows, draft_calls = ((mtp + 1, 1, mtp) if phase == "decode"
+                                            else (rows, rows, 1))
+    calls = [StepCall("target", o, target_rows, len(preset.qsa_layers), index_format,
+                      kv_format) for o in ops]
     if mtp and preset.draft_layers:
-        calls += [StepCall("draft", o, 1, mtp * preset.draft_layers, draft_index_format,
-                           draft_kv_format) for o in ops]
+        calls += [StepCall("draft", o, draft_rows, draft_calls * preset.draft_layers,
+                           draft_index_format, draft_kv_format) for o in ops]
     return calls
 
 
 def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int | None = None,
                    index_format: str = "bf16", kv_format: str = "bf16",
                    device: str | None = None, graph: bool = True,
-                   samples: int | None = None, progress: bool = False) -> pd.DataFrame:
-    """`mtp` defaults to the preset's draft depth. One row per (phase, kernel): µs per call, calls per step, µs per step and share of the
-    summed step; then a `sum` row and, where graphs work, a `graph replay` row."""
+                   samples: int | None = None, progress: bool = False, *,
+                   phase: str = "decode", rows: int | None = None) -> pd.DataFrame:
+    """`mtp` defaults to the preset's draft depth; `phase` "prefill" rolls up one chunk of
+    `rows` rows per request ending at `context`. One row per (phase, kernel): µs per call,
+    calls per step, µs per step and share of the summed step; then a `sum` row and, where
+    graphs work, a `graph replay` row."""
     p = as_preset(preset)
     if mtp is not None:
         p = p.replace(mtp_draft_tokens=mtp)  # validated: verify rows 1..8
-    calls = step_calls(p, p.mtp_draft_tokens, index_format, kv_format)
+    calls = step_calls(p, p.mtp_draft_tokens, index_format, kv_format, phase=phase, rows=rows)
     preps: list[tuple[StepCall, Prepared]] = []
     rows = []
     if progress:
@@ -92,20 +113,26 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
                 "method": df["method"].iloc[0], "functional_only": bool(df["functional_only"].any())}]
     if graph and not bool(df["functional_only"].any()):
         t = time_fn(lambda i: _run_step(preps, i), 1, method="graph")
-        summary.append({"phase": "step", "kernel": "graph replay", "us_per_step": t.median_us,
+        # A call that can not be captured leaves the whole step timed by events, host gaps
+        # included: it is not a graph replay and is not labelled as one.
+        label = "graph replay" if t.method == METHOD_GRAPH else f"whole step ({t.method})"
+        summary.append({"phase": "step", "kernel": label, "us_per_step": t.median_us,
                         "share": t.median_us / total, "method": t.method,
-                        "functional_only": t.functional_only})
+                        "functional_only": t.functional_only, "note": t.note})
     return pd.concat([df, pd.DataFrame(summary)], ignore_index=True)
 
 
 def step_breakdowns(preset: str | ModelPreset, batch: int, context: int, mtp: int | None,
-                    pairs: Sequence[tuple[str, str]], progress: bool = False
+                    pairs: Sequence[tuple[str, str]], progress: bool = False, *,
+                    phase: str = "decode", rows: int | None = None
                     ) -> Iterator[pd.DataFrame]:
     """`step_breakdown` for each (index format, KV format) pair, in order, each frame tagged
-    with its pair: the side-by-side step of `qsa step --formats` and of suites."""
+    with its pair and step phase: the side-by-side step of `qsa step --formats` and of
+    suites."""
     for idx, kv in pairs:
-        yield step_breakdown(preset, batch, context, mtp, idx, kv,
-                             progress=progress).assign(index_format=idx, kv_format=kv)
+        yield step_breakdown(preset, batch, context, mtp, idx, kv, progress=progress,
+                             phase=phase, rows=rows).assign(index_format=idx, kv_format=kv,
+                                                            step_phase=phase)
 
 
 def _run_step(preps: list[tuple[StepCall, Prepared]], i: int) -> None:

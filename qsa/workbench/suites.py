@@ -25,10 +25,11 @@ from qsa.presets import DEFAULT_PRESET, ModelPreset, ShapeError, get_preset
 
 SUITE_DIR = Path(__file__).with_name("suites")
 POINT_AXES = ("op", "batch", "context", "rows", "index_format", "kv_format", "selection")
-STEP_KEYS = ("batch", "context", "mtp", "formats")
+STEP_KEYS = ("batch", "context", "mtp", "formats", "phase", "rows")
 METRICS = ("us", "pct_bandwidth", "achieved_tflops", "us_per_step")
 # What makes two rows of a run the same measurement but for the fields a target's `over` changes.
-IDENTITY = (*POINT_AXES, "record", "kernel", "phase", "mtp")
+IDENTITY = (*POINT_AXES, "record", "kernel", "phase", "mtp", "step_phase",
+            "chunk_rows")
 
 
 class SuiteError(ValueError):
@@ -139,7 +140,10 @@ def parse_suite(text: str, source: str) -> Suite:
     for i, s in enumerate(d.get("steps") or []):
         if set(s) - set(STEP_KEYS) or not {"batch", "context", "formats"} <= set(s):
             raise SuiteError(f"{source}: steps[{i}] needs batch, context, formats "
-                             f"(and optionally mtp), got {sorted(s)}")
+                             f"(and optionally mtp, phase, rows), got {sorted(s)}")
+        if (s.get("phase", "decode") == "prefill") != ("rows" in s):
+            raise SuiteError(f"{source}: steps[{i}]: rows go with phase prefill, and a prefill "
+                             f"step needs its rows, got {sorted(s)}")
         steps.append(dict(s))
     targets = tuple(_target(t, f"{source}: targets[{i}]")
                     for i, t in enumerate(d.get("targets") or []))
@@ -213,12 +217,13 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
         for s in () if verify_only else suite.steps:
             frames = []
             for df in step_breakdowns(suite.preset, s["batch"], s["context"], s.get("mtp"),
-                                      format_pairs(s["formats"])):
+                                      format_pairs(s["formats"]),
+                                      phase=s.get("phase", "decode"), rows=s.get("rows")):
                 frames.append(df)
                 for r in df.to_dict("records"):
                     rec = {"record": "step", "suite": suite.name, "preset": suite.preset.name,
                            "batch": s["batch"], "context": s["context"], "mtp": s.get("mtp"),
-                           "verified": True, **r}
+                           "chunk_rows": s.get("rows"), "verified": True, **r}
                     run.add(rec)
                     if on_row and r["kernel"] == "sum of kernels":
                         on_row(rec)
@@ -247,8 +252,11 @@ def _figures(suite: Suite, rows: pd.DataFrame,
         intensity_roofline(points, out, title=f"Suite {suite.name}: every point under the "
                            "device's measured roofs")
     for s, frames in step_frames:
-        step_comparison(frames, out / f"step_b{s['batch']}_ctx{s['context']}.png",
-                        f"Suite {suite.name}: decode step, batch {s['batch']} x "
+        prefill = s.get("phase") == "prefill"
+        what = f"prefill chunk of {s['rows']} rows" if prefill else "decode step"
+        stem = f"prefill_r{s['rows']}" if prefill else "step"
+        step_comparison(frames, out / f"{stem}_b{s['batch']}_ctx{s['context']}.png",
+                        f"Suite {suite.name}: {what}, batch {s['batch']} x "
                         f"{s['context']}, MTP {s.get('mtp', suite.preset.mtp_draft_tokens)}")
 
 
