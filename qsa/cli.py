@@ -395,6 +395,31 @@ def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
                  f"tokens in {gib:g} GiB (draft: how the MTP draft layer is counted)")
 
 
+@app.command("compile-check")
+def compile_check(arch: str = typer.Option("sm90,gfx950,gfx942",
+                                           help="targets, comma-separated (sm90, gfx950, gfx942)"),
+                  ops: Optional[str] = typer.Option(None, help="only these ops, comma-separated"),
+                  out: Path = typer.Option(Path("profiles/compile/compile_check.csv"),
+                                           help="the table of compiled kernels (CSV)")) -> None:
+    """Compile every kernel with every config of its tables for GPUs that need not be here
+    (on the CPU; no launch): registers, spills and shared memory per config. Exit 1 when a
+    config does not compile or spills on its target."""
+    import subprocess
+
+    from qsa.workbench.compile_check import TARGETS
+
+    archs = [a.strip() for a in arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in TARGETS]
+    if bad or not archs:
+        raise typer.BadParameter(f"arch: {bad or arch!r} not among {', '.join(TARGETS)}")
+    # Its own process, without TRITON_INTERPRET: the interpreter never compiles.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "qsa.workbench.compile_check", str(out), *archs]
+    if ops:
+        cmd += ["--ops", ops]
+    raise typer.Exit(subprocess.run(cmd, env=env).returncode)
+
+
 @app.command("offload-check")
 def offload_check(file: Optional[Path] = typer.Argument(
                       None, help="a page file to verify (on the CPU) instead of a round trip"),

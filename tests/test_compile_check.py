@@ -1,0 +1,62 @@
+"""`qsa compile-check`: every table config compiled for GPUs that are not here (sm90, gfx950),
+on the CPU, through the kernels' own wrappers; a config that can not run on its target is a
+failure with a reason."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from qsa.configs import TABLE_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _check(out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qsa.cli", "compile-check", "--out", str(out),
+                           *args], capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_sparse_gqa_configs_compile_for_sm90_and_gfx950(tmp_path):
+    out = tmp_path / "cc.csv"
+    res = _check(out, "--arch", "sm90,gfx950", "--ops", "sparse_gqa_decode")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert set(df["arch"]) == {"sm90", "gfx950"} and (df["status"] == "ok").all()
+    assert (df["registers"] > 0).all() and (df["spill_bytes"] == 0).all()
+    # every sm90 table entry of each format was compiled, through the split path (merge kernel)
+    entries = json.loads((TABLE_DIR / "sparse_gqa_decode.json").read_text())["sm90"]
+    sm90 = df[df["arch"] == "sm90"]
+    for fmt, buckets in entries.items():
+        assert set(sm90.loc[sm90["fmt"] == fmt, "bucket"]) == {int(b) for b in buckets}
+    assert sm90["kernel"].str.startswith("qsa_sparse_gqa_merge").any()
+    assert df["kernel"].str.contains("FP8True").any()
+
+
+def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):
+    tables = tmp_path / "tables"
+    shutil.copytree(TABLE_DIR, tables)
+    path = tables / "sparse_gqa_decode.json"
+    t = json.loads(path.read_text())
+    entry = t["sm90"]["fp8"]["256"]
+    entry["meta"]["BLOCK_N"], entry["num_warps"], entry["num_stages"] = 128, 4, 6
+    # five buffered 128-token FP8 K/V tiles, 64 KiB each: past sm90's 227 KiB
+    path.write_text(json.dumps(t))
+    out = tmp_path / "cc.csv"
+    res = _check(out, "--arch", "sm90", "--ops", "sparse_gqa_decode",
+                 env={"QSA_CONFIG_DIR": str(tables)})
+    assert res.returncode == 1
+    df = pd.read_csv(out)
+    bad = df[df["status"] != "ok"]
+    assert set(bad["bucket"]) == {256} and set(bad["status"]) == {"exceeds shared memory"}
+    assert "sm90 sparse_gqa_decode fp8 bucket 256: exceeds shared memory" in res.stdout
+
+
+def test_an_unknown_arch_is_refused_by_name(tmp_path):
+    res = _check(tmp_path / "cc.csv", "--arch", "sm100")
+    assert res.returncode == 2 and "sm100" in res.stdout + res.stderr
