@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -47,7 +48,7 @@ config = None  # changes to try against the current entry (JSON or dict); None: 
 write_winner = False  # True: store the winner in the config table (GPU only)
 samples = None  # timing samples per candidate; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
-results_root = "profiles"
+results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
 
 # %%
@@ -56,6 +57,7 @@ import json
 from qsa.workbench import notebooks as wb
 
 dev = wb.prepare_runtime(device)
+results_root = wb.results_root(results_root)
 from qsa.configs import table_path
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import plots

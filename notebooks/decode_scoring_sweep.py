@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -40,7 +41,7 @@ scorers = ["score_rowwise", "score_stacked"]
 env = {}  # environment toggles for every measured call, e.g. {"QSA_STACKED_DECODE_SCORER": "0"}
 samples = None  # timing samples per point; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces the interpreter
-results_root = "profiles"
+results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
 
 # %%
@@ -49,6 +50,7 @@ from itertools import product
 from qsa.workbench import notebooks as wb
 
 dev = wb.prepare_runtime(device)  # before any kernel import: picks interpreter or GPU
+results_root = wb.results_root(results_root)
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import ops, plots
 

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -24,7 +25,7 @@
 # Figures of CPU runs say in their title that their times mean nothing.
 
 # %% tags=["parameters"]
-results_root = "profiles"  # read every finished run under this root ...
+results_root = None  # read every finished run under this root (None: the repository's profiles/) ...
 sweep_dir = None  # ... or only the passed points of this sweep directory
 device = None  # a device slug (e.g. "nvidia-h200") to review one device; None: all
 kinds = None  # run kinds to draw, e.g. ["decode-scoring"]; None: every kind with a recipe
@@ -41,6 +42,7 @@ from qsa.workbench import notebooks as wb
 from qsa.workbench import plots
 from qsa.workbench.compare import compare_runs
 
+results_root = wb.results_root(results_root)
 df, metas = wb.load_results(results_root, sweep_dir, device=device, kinds=kinds,
                             latest_only=latest_only)
 source = sweep_dir or results_root

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -42,7 +43,7 @@ fp8_dtypes = ["float8_e4m3fn", "float8_e4m3fnuz"]
 index_formats = ["fp8", "mxfp4"]  # compared against bf16 for recall
 seed = 0
 device = None  # None: first visible GPU, else CPU; "cpu" forces it
-results_root = "profiles"
+results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
 
 # %%
@@ -53,6 +54,7 @@ import torch
 from qsa.workbench import notebooks as wb
 
 dev = wb.prepare_runtime(device)
+results_root = wb.results_root(results_root)
 from qsa.arena.capacity import capacity_frame
 from qsa.cases import CaseSpec, make_case
 from qsa.measure.results import load_run, start_run

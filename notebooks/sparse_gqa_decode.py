@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -36,7 +37,7 @@ preset_overrides = None  # preset fields to change; None: the profile's (cpu-smo
 index_format = "bf16"
 samples = None  # timing samples per point; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
-results_root = "profiles"
+results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
 
 # %%
@@ -45,6 +46,7 @@ from itertools import product
 from qsa.workbench import notebooks as wb
 
 dev = wb.prepare_runtime(device)
+results_root = wb.results_root(results_root)
 from qsa.configs import get_config
 from qsa.kernels.common import backend_and_arch
 from qsa.measure.results import load_run, start_run

@@ -171,6 +171,25 @@ def test_notebook_source_is_canonical_jupytext_with_one_parameters_cell(
     assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()]
 
 
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_saving_a_notebook_with_the_repository_config_changes_nothing(name: str) -> None:
+    """What JupyterLab's jupytext writes on save (with notebooks/jupytext.toml) is the file
+    itself: no version stamps or other header churn in git."""
+    from jupytext.config import load_jupytext_configuration_file
+
+    config = load_jupytext_configuration_file(str(REPO / "notebooks" / "jupytext.toml"))
+    path = REPO / "notebooks" / f"{name}.py"
+    assert jupytext.writes(jupytext.read(path), "py:percent", config=config) == \
+        path.read_text()
+
+
+def test_default_results_root_is_the_repository_profiles_wherever_the_kernel_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # JupyterLab starts kernels in notebooks/
+    assert wb.results_root(None) == REPO / "profiles"
+    assert wb.results_root("out") == Path("out")
+
+
 def test_unknown_parameters_are_refused(tmp_path: Path) -> None:
     with pytest.raises(wb.NotebookError, match="unknown parameters"):
         wb.execute_notebook(REPO / "notebooks" / "formats.py", None, {"contexts": [1]})

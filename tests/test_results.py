@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -146,6 +147,25 @@ def test_bad_records_are_refused_with_the_field_named(tmp_path):
         run.add({"m": [[1, 2]]})
     with pytest.raises(TypeError, match="JSON"):
         start_run("sweep", root=tmp_path, device=cpu_device(), extra={"obj": object()})
+
+
+def test_the_workbench_outputs_do_not_make_a_checkout_dirty(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "k.py").write_text("x = 1\n")
+    git("add", "k.py")
+    git("commit", "-q", "-m", "c")
+    assert git_state(tmp_path)["dirty"] is False
+    for out in results.OUTPUT_PATHS:
+        (tmp_path / out / "run").mkdir(parents=True)
+        (tmp_path / out / "run" / "results.parquet").write_bytes(b"x")
+    assert git_state(tmp_path)["dirty"] is False
+    (tmp_path / "k.py").write_text("x = 2\n")
+    assert git_state(tmp_path)["dirty"] is True
 
 
 def test_git_state_outside_a_repository(tmp_path):

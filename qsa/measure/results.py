@@ -44,8 +44,14 @@ def env_toggles(environ: Mapping[str, str] | None = None) -> dict[str, str]:
             if k.startswith(("QSA_", "TRITON_")) or k in _VISIBLE_DEVICE_VARS}
 
 
+# What the workbench itself writes inside a checkout: results, sweeps, executed notebooks.
+# A run does not make its own checkout "dirty".
+OUTPUT_PATHS = ("profiles", "notebooks/executed")
+
+
 def git_state(repo: str | Path = _REPO) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout; None where git or a commit is missing."""
+    """Commit and dirty flag of the checkout (changes to code, tables and notebooks; not the
+    workbench's own outputs, `OUTPUT_PATHS`); None where git or a commit is missing."""
     # GIT_OPTIONAL_LOCKS=0 keeps `git status` from rewriting the index of a shared checkout.
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
@@ -58,7 +64,8 @@ def git_state(repo: str | Path = _REPO) -> dict[str, Any]:
         return out.stdout if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
+    status = git("status", "--porcelain", "--", ".",
+                 *(f":(exclude){p}" for p in OUTPUT_PATHS))
     return {"commit": commit.strip() if commit else None,
             "dirty": None if status is None else bool(status.strip())}
 

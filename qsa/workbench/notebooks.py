@@ -57,6 +57,13 @@ def prepare_runtime(device: str | None = None) -> DeviceInfo:
     return cpu_device() if use_cpu else detect_device()
 
 
+def results_root(root: str | Path | None) -> Path:
+    """Where a notebook files its runs: `root` as given, or with None the repository's
+    `profiles/`, whatever directory the kernel was started in (JupyterLab starts it in
+    `notebooks/`, papermill and sweeps wherever they run)."""
+    return Path(root) if root is not None else NOTEBOOK_DIR.parent / "profiles"
+
+
 def grid(profiles: Mapping[str, Mapping[str, Sequence[Any]]], profile: str,
          **overrides: Any) -> dict[str, list[Any]]:
     """The grid of one profile, with explicit parameters replacing its lists.
