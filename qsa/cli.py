@@ -74,6 +74,20 @@ def _print_frame(df, title: str) -> None:
     console.print(table)
 
 
+def _draw_figures(directory: Path) -> None:
+    """The run's figures under `<run>/figures` (its results are stored already: a figure that
+    fails is reported, not fatal)."""
+    from qsa.workbench.plots import figures_for_run
+
+    try:
+        paths = figures_for_run(directory)
+    except Exception as e:  # noqa: BLE001 - the measurement is safe; say what the figure lacked
+        logging.getLogger("qsa").warning("figures of %s not drawn: %s: %s", directory, type(e).__name__, e)
+        return
+    if paths:
+        console.print(f"figures: {len(paths)} files in {directory / 'figures'}")
+
+
 @app.command()
 def info() -> None:
     """Show the device, its FP8 flavour, measured ceilings (if cached) and the presets."""
@@ -211,6 +225,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
                           f"{f', {bw:.0f}% of copy bw' if bw is not None else ''} "
                           f"({rec['method']}{', functional only' if rec['functional_only'] else ''})")
     console.print(f"results: {run.directory}  ({len(grid) - failed} verified, {failed} failed)")
+    _draw_figures(run.directory)
     if failed:
         raise typer.Exit(1)
 
@@ -319,6 +334,7 @@ def step(preset: str = PRESET_OPT,
                                   f"{detect_device().name}, graph replay per kernel, cold L2")
             _print_frame(cmp, "step side by side (speedup against the first pair)")
     console.print(f"results: {run.directory}")
+    _draw_figures(run.directory)
 
 
 @app.command()
@@ -381,6 +397,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
     with start_run("tune", root=out, extra={"op": op}) as run:
         run.add_many(r for r in df.to_dict("records"))
     console.print(f"results: {run.directory}")
+    _draw_figures(run.directory)
 
 
 @app.command()

@@ -269,3 +269,53 @@ def test_intensity_roofline_draws_the_measured_roofs_and_every_point(tmp_path: P
     ax = data_axes(res.figure)[0]
     assert ax.get_xscale() == ax.get_yscale() == "log"
     assert sum(len(c.get_offsets()) for c in ax.collections) == 4  # every point drawn
+
+
+def _tune_table(knobs: int) -> pd.DataFrame:
+    """A `qsa tune` run's rows: the current entry first, candidates, one failed candidate."""
+    rows = []
+    for i, (bn, w) in enumerate(product((32, 64, 128), (2, 4) if knobs > 1 else (4,))):
+        cfg = {"meta": {"BLOCK_N": bn}, "num_warps": w, "num_stages": 3, "amd": {}}
+        us = 100.0 + abs(bn - 64) / 4 + (10 if w == 2 else 0)
+        rows.append({"candidate": i, "is_current": i == 0, "config": json.dumps(cfg),
+                     "status": "ok", "us": us, "p10_us": us - 1, "p90_us": us + 2,
+                     "op": "sparse_gqa_decode", "preset": "qwen3.8-flash-next", "batch": 64,
+                     "context": 131072, "rows": 4, "index_format": "bf16", "kv_format": "fp8",
+                     "arch": "sm90", "method": "graph_replay", "functional_only": False,
+                     "device": "nvidia-h200"})
+    rows.append({**rows[-1], "candidate": len(rows), "is_current": False, "status":
+                 "OutOfResources", "us": float("nan"), "config": json.dumps(
+                     {"meta": {"BLOCK_N": 512}, "num_warps": 4, "num_stages": 6, "amd": {}})})
+    return pd.DataFrame(rows)
+
+
+def test_tune_runs_draw_the_ranked_candidates_and_the_config_space(tmp_path: Path) -> None:
+    figs = plots.figures_for(_tune_table(2), "tune", tmp_path)
+    stems = sorted(p.stem for f in figs for p in f.paths)
+    assert any(s.startswith("candidates") for s in stems)
+    assert any(s.startswith("config_heatmap") for s in stems)
+    spread = next(f for f in figs if f.paths[0].stem.startswith("candidates"))
+    ax = spread.figure.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == 6 and labels[0].startswith("BLOCK_N=")  # the failed one not drawn
+    assert "6 verified, 1 failed" in spread.figure._suptitle.get_text()
+    # one knob varied: the ranking alone, no heat map
+    one = plots.figures_for(_tune_table(1), "tune", tmp_path / "one")
+    assert [p.stem.startswith("candidates") for f in one for p in f.paths[:1]] == [True]
+
+
+def test_step_runs_draw_decode_steps_and_prefill_chunks_apart(tmp_path: Path) -> None:
+    base = {"preset": "qwen3.8-flash-next", "index_format": "bf16", "kv_format": "bf16",
+            "batch": 1, "context": 65536, "mtp": 3, "method": "graph_replay",
+            "functional_only": False, "device": "nvidia-h200"}
+    rows = []
+    for phase, chunk in (("decode", None), ("prefill", 4096)):
+        for k, us in (("compress", 5.0), ("sparse_gqa", 50.0)):
+            rows.append({**base, "step_phase": phase, "chunk_rows": chunk, "phase": "target",
+                         "kernel": k, "us_per_step": us * 12})
+        rows.append({**base, "step_phase": phase, "chunk_rows": chunk, "phase": "step",
+                     "kernel": "graph replay", "us_per_step": 640.0})
+    figs = plots.figures_for(pd.DataFrame(rows), "step", tmp_path)
+    stems = sorted(f.paths[0].stem for f in figs)
+    assert len(stems) == 2 and stems[0].startswith("prefill_step") \
+        and stems[1].startswith("step_breakdown")

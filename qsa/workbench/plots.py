@@ -609,6 +609,43 @@ def expand_config(df: pd.DataFrame, column: str = "config") -> pd.DataFrame:
 
 
 @styled
+@styled
+def candidate_spread(df: pd.DataFrame, out_dir: str | Path, *, name: str = "candidates",
+                     title: str | None = None, caption: str | None = None) -> FigureResult:
+    """Every verified candidate of a tuning run, fastest first: median µs with its p10-p90
+    band, the current table entry in red, so a review sees how far the winner stands out of
+    the run's noise. Failed candidates (did not compile, wrong result) are counted in the
+    title, not drawn."""
+    _check_columns(df, "config", "us", "status")
+    ok = df[df["status"] == "ok"].sort_values("us")
+    labels = [_config_label(c) for c in ok["config"]]
+    fig, axes = _new_figure(width=9.0, height=max(3.0, 0.28 * len(ok) + 1.6))
+    ax = axes[0][0]
+    y = np.arange(len(ok))[::-1]
+    current = ok["is_current"].fillna(False).astype(bool).to_numpy() if "is_current" in ok \
+        else np.zeros(len(ok), bool)
+    colors = [PALETTE[1] if c else PALETTE[0] for c in current]
+    lo = (ok["us"] - ok["p10_us"]).clip(lower=0) if "p10_us" in ok else None
+    hi = (ok["p90_us"] - ok["us"]).clip(lower=0) if "p90_us" in ok else None
+    ax.barh(y, ok["us"], color=colors, height=0.65,
+            xerr=None if lo is None else [lo.to_numpy(), hi.to_numpy()], capsize=2)
+    ax.set_yticks(y, labels, fontsize=6.5)
+    ax.set_xlabel("median µs per call (bar: p10-p90)")
+    _num_axis(ax, "x")
+    failed = int((df["status"] != "ok").sum())
+    head = title or "Tuning candidates"
+    return _finish(fig, df, f"{head}: {len(ok)} verified, {failed} failed "
+                            "(current entry in red)", caption, out_dir, name)
+
+
+def _config_label(config: str) -> str:
+    """`BLOCK_N=64 SLOTS=1 w4 s3` from a stored config's JSON."""
+    d = json.loads(config)
+    meta = " ".join(f"{k}={v}" for k, v in sorted(d.get("meta", {}).items()))
+    amd = " ".join(f"{k}={v}" for k, v in sorted(d.get("amd", {}).items()))
+    return " ".join(x for x in (meta, f"w{d.get('num_warps')} s{d.get('num_stages')}", amd) if x)
+
+
 def config_heatmap(df: pd.DataFrame, out_dir: str | Path, *, rows: str | None = None,
                    cols: str | None = None, value: str = "us", name: str = "config_heatmap",
                    title: str | None = None, caption: str | None = None) -> FigureResult:
@@ -758,6 +795,43 @@ def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureRes
                           ("batch", "context"), "step_breakdown", "Per-step µs by kernel")
 
 
+def _step_run(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa step` run: decode steps and prefill chunks, each drawn as such."""
+    phase = df["step_phase"] if "step_phase" in df else pd.Series("decode", df.index)
+    figs = []
+    if (phase != "prefill").any():
+        figs += _step_breakdown(df[phase != "prefill"], out, caption)
+    if (phase == "prefill").any():
+        figs += _prefill_step(df[phase == "prefill"], out, caption)
+    return figs
+
+
+def _tune(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa tune` run: the candidates ranked with their noise, and the config heat map
+    where at least two knobs varied."""
+    figs = []
+    for sfx, label, part in _split(df, "op", "batch", "context", "rows", "index_format",
+                                   "kv_format", "arch"):
+        title = f"Tuning {part['op'].iloc[0]}{label}"
+        figs.append(candidate_spread(part, out, name=f"candidates{sfx}", title=title,
+                                     caption=caption))
+        ok = part[part["status"] == "ok"]
+        knobs = expand_config(ok).drop(columns=ok.columns)
+        if int((knobs.nunique() > 1).sum()) >= 2:  # else the ranking says it all
+            figs.append(config_heatmap(part, out, name=f"config_heatmap{sfx}", caption=caption,
+                                       title=title))
+    return figs
+
+
+def _bench(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa bench` run: every point under the device's measured roofs (a GPU run)."""
+    if "intensity_flop_per_byte" not in df or not _has_fractions(df):
+        return []
+    return [intensity_roofline(df[df["verified"].fillna(False).astype(bool)]
+                               if "verified" in df else df, out, caption=caption,
+                               title="Every point under the device's measured roofs")]
+
+
 def _prefill_step(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
     return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch"),
                           ("chunk_rows", "context"), "prefill_step",
@@ -796,6 +870,9 @@ RECIPES: dict[str, Recipe] = {
     "config-tuning": _config_tuning,
     "step-breakdown": _step_breakdown,
     "prefill-step": _prefill_step,
+    "step": _step_run,
+    "tune": _tune,
+    "bench": _bench,
     "formats-capacity": _capacity,
     "formats-attention-error": _attention_error,
     "formats-topk-recall": _topk_recall,
