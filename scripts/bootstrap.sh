@@ -6,7 +6,8 @@
 # GPU hosts: the venv sees the launching python's packages (its system site-packages, or the
 # environment it belongs to when that python is itself a venv), so the host's own torch/triton
 # builds (CUDA or ROCm) are used as they are and never installed twice. Only when no torch is
-# importable, the CPU-tested torch is installed; QSA_TORCH overrides that pip requirement.
+# importable, the CPU-tested torch is installed (QSA_TORCH overrides that pip requirement), and
+# only when no triton is, Triton 3.6 (QSA_TRITON overrides it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${QSA_VENV:-$root/.venv}"
@@ -38,6 +39,12 @@ want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
     spec="${QSA_TORCH:-torch==2.13.0}"
+    echo "[qsa] installing $spec" >&2
+    "$vpy" -m pip install -q "$spec"
+  fi
+  # A CUDA or ROCm torch brings its Triton; a CPU torch does not (QSA_TRITON overrides).
+  if ! "$vpy" -c "import triton" >/dev/null 2>&1; then
+    spec="${QSA_TRITON:-triton>=3.6,<3.7}"
     echo "[qsa] installing $spec" >&2
     "$vpy" -m pip install -q "$spec"
   fi

@@ -19,13 +19,54 @@ def test_set_up_from_a_venv_python_uses_its_torch_and_installs_none(tmp_path):
     Before the fix, the new .venv saw only the base interpreter's packages and set-up tried to
     install a second torch; QSA_TORCH names one that does not exist, so any attempt fails."""
     env = {**os.environ, "QSA_PYTHON": sys.executable, "QSA_VENV": str(tmp_path / "venv"),
-           "QSA_TORCH": "torch==0.0.0"}
+           "QSA_TORCH": "torch==0.0.0", "QSA_TRITON": "triton==0.0.0"}
     script = ("source scripts/bootstrap.sh && "
               "python -c 'import torch, triton, qsa; print(torch.__file__)'")
     res = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "installing torch" not in res.stderr
+    assert "installing torch" not in res.stderr and "installing triton" not in res.stderr
     assert "is a virtual environment: its packages are used" in res.stderr
     assert Path(res.stdout.strip().splitlines()[-1]).resolve() == \
         Path(torch.__file__).resolve()
+
+
+def test_the_triton_version_is_checked_not_pinned():
+    """A pin would make pip swap a ROCm host's Triton (pytorch-triton-rocm) for PyPI's CUDA
+    build; the kernels check the version they import instead."""
+    import tomllib
+    import warnings
+
+    from qsa.kernels import TritonVersionError, check_triton_version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    assert project["optional-dependencies"]["triton"] == ["triton>=3.6,<3.7"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_triton_version("3.6.0")
+        check_triton_version("3.6.0+rocm7.0.0.git1234")
+    with pytest.raises(TritonVersionError, match="need Triton 3.6.*qsa-workbench\\[triton\\]"):
+        check_triton_version("3.5.1")
+    with pytest.warns(UserWarning, match="tested and tuned with Triton 3.6"):
+        check_triton_version("3.7.0")
+    with pytest.raises(TritonVersionError, match="not a version"):
+        check_triton_version("main")
+
+
+def test_each_environment_file_installs_the_torch_of_its_platform():
+    """CPU, CUDA and ROCm conda environments: each takes torch from its own wheel index, the
+    CPU one adds Triton (a CPU torch brings none), and all install JupyterLab and the tests."""
+    import yaml
+
+    def pip_lines(name):
+        env = yaml.safe_load((ROOT / name).read_text())
+        return next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+
+    expect = {"environment.yml": ("whl/cpu", "-e .[dev,lab,triton]"),
+              "environment-cuda.yml": ("whl/cu130", "-e .[dev,lab]"),
+              "environment-rocm.yml": ("whl/rocm", "-e .[dev,lab]")}
+    for name, (index, install) in expect.items():
+        lines = pip_lines(name)
+        assert any(line.startswith("--extra-index-url") and index in line for line in lines), name
+        assert install in lines and any(line.startswith("torch") for line in lines), name
