@@ -489,8 +489,17 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
     if profiler == "roctx":  # the child process of a rocprofv3 capture
         run_roctx_steps(point, steps)
         return
+    from qsa.profiling import ProfilerUnavailableError
+    from qsa.profiling.rocprof import rocprofv3_capture_problem
+
+    problem = rocprofv3_capture_problem() if profiler == "rocprofv3" else None
+    if problem is not None:  # refused before a run is opened or anything is measured
+        raise ValueError(f"profiler rocprofv3: {problem}")
     with start_run("profile", root=out, extra={"profiler": profiler, "steps": steps}) as run:
-        rec = profile_point(point, profiler, run.directory / profiler, steps)
+        try:
+            rec = profile_point(point, profiler, run.directory / profiler, steps)
+        except ProfilerUnavailableError as e:  # a missing tool is the user's to fix
+            raise ValueError(f"profiler {profiler}: {e}") from None
         run.add({**point.as_record(), **rec, "profiler": profiler})
     console.print_json(json.dumps(rec, default=str))
     console.print(f"results and trace: {run.directory}")

@@ -448,9 +448,9 @@ def fake_roctx(monkeypatch):
     module.profilerResume = lambda tid: calls.append(("resume", tid))
     module.profilerPause = lambda tid: calls.append(("pause", tid))
     monkeypatch.setitem(sys.modules, "roctx", module)
-    rocprof._load_roctx.cache_clear()
+    rocprof._load_rocm_package.cache_clear()
     yield calls
-    rocprof._load_roctx.cache_clear()
+    rocprof._load_rocm_package.cache_clear()
 
 
 def test_roctx_shim_calls_the_package(fake_roctx):
@@ -472,14 +472,14 @@ def test_roctx_shim_calls_the_package(fake_roctx):
 
 def test_roctx_shim_is_a_noop_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "roctx", None)  # makes `import roctx` raise ImportError
-    rocprof._load_roctx.cache_clear()
+    rocprof._load_rocm_package.cache_clear()
     try:
         assert "roctx" in rocprof.roctx_unavailable_reason()
         with roctx_profiler(), roctx_range("step"):
             ran = True
         assert ran
     finally:
-        rocprof._load_roctx.cache_clear()
+        rocprof._load_rocm_package.cache_clear()
 
 
 # --- capture -------------------------------------------------------------------------------
@@ -587,3 +587,79 @@ def test_capture_proton_in_fresh_process(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [region for name, region in rows if name == "qsa_test_add_BN128"] == ["step0", "step1", "step2"]
+
+
+# --- ROCm's own Python packages (fakes that follow the published APIs) ---------------------
+
+
+def _rocm_site(tmp_path: Path) -> Path:
+    """`<rocm>/lib/python3.X/site-packages`, where ROCm installs rocpd and roctx."""
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = tmp_path / "rocm" / "lib" / ver / "site-packages"
+    site.mkdir(parents=True)
+    return site
+
+
+@pytest.fixture
+def rocm_root(tmp_path, monkeypatch):
+    site = _rocm_site(tmp_path)
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path / "rocm"))
+    for name in ("rocpd", "roctx"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    rocprof._load_rocm_package.cache_clear()
+    yield site
+    for name in ("rocpd", "roctx"):
+        sys.modules.pop(name, None)
+    if str(site) in sys.path:
+        sys.path.remove(str(site))
+    rocprof._load_rocm_package.cache_clear()
+
+
+def test_run_databases_are_read_through_the_rocpd_package_found_under_rocm(tmp_path, rocm_root):
+    """rocpd.connect([paths]) returns a RocpdImportData that answers execute() like a sqlite3
+    connection (rocprofiler-sdk's rocpd README); the fake attaches the databases' rows the
+    same way and records the call."""
+    (rocm_root / "rocpd").mkdir()
+    (rocm_root / "rocpd" / "__init__.py").write_text(
+        "import sqlite3\n"
+        "calls = []\n"
+        "def connect(inputs):\n"
+        "    calls.append(list(inputs))\n"
+        "    assert isinstance(inputs, list) and len(inputs) == 1\n"
+        "    return sqlite3.connect(inputs[0])\n")
+    run = tmp_path / "run"
+    (run / "host").mkdir(parents=True)
+    db = rf.build_rocpd_db(run / "host" / "1234_results.db")
+    launches = read_rocprof_output(run)
+    import rocpd
+
+    assert rocpd.calls == [[str(db.resolve())]]
+    assert launches == read_rocpd(db)
+    _check_rocm_summary(launches)
+
+
+def test_without_rocm_packages_the_reason_names_where_they_were_looked_for(tmp_path, rocm_root):
+    reason = rocprof.roctx_unavailable_reason()
+    assert "roctx package not importable" in reason and str(rocm_root) in reason
+    assert rocprof._load_rocm_package("rocpd")[0] is None
+    # and the schema reader still reads a run
+    run = tmp_path / "run"
+    run.mkdir()
+    db = rf.build_rocpd_db(run / "1_results.db")
+    assert read_rocprof_output(run) == read_rocpd(db)
+
+
+def test_a_rocprofv3_capture_is_refused_before_it_starts(tmp_path, rocm_root, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert "rocprofv3 is not on PATH" in rocprof.rocprofv3_capture_problem()
+    tool = bin_dir / "rocprofv3"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    problem = rocprof.rocprofv3_capture_problem()
+    assert "can not import roctx" in problem and "nothing would be captured" in problem
+    (rocm_root / "roctx").mkdir()
+    (rocm_root / "roctx" / "__init__.py").write_text("")
+    assert rocprof.rocprofv3_capture_problem() is None  # found under ROCM_PATH by the child
+    assert str(rocm_root) in rocprof.rocprof_child_env({"PYTHONPATH": "/x"})["PYTHONPATH"]

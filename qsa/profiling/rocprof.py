@@ -5,6 +5,12 @@ output since ROCm 7.0 and its `kernels` view already attributes every dispatch t
 range; the CSV files are the fallback and are parsed by header name because their columns
 changed across ROCm releases. Only unsuffixed views are queried, never the uuid-suffixed
 physical tables.
+
+The databases of a run (one per profiled process) are read through rocprofiler-sdk's own
+`rocpd` package when it is importable (`rocpd.connect([...])` views them as one database, the
+way its own tools do); the plain sqlite3 reader of the published schema is the fallback. ROCm
+installs `rocpd` and `roctx` under `<rocm>/lib/python3.X/site-packages`, which is not on a
+venv's path: both are looked up there too (ROCM_PATH, else /opt/rocm).
 """
 
 from __future__ import annotations
@@ -12,8 +18,12 @@ from __future__ import annotations
 import csv
 import functools
 import importlib
+import os
 import re
+import shutil
 import sqlite3
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -91,6 +101,8 @@ def read_rocprof_output(path: str | Path) -> list[KernelLaunch]:
         raise FileNotFoundError(f"no rocprofv3 output at {path}")
     databases = sorted(path.rglob("*.db"))
     if databases:
+        if _load_rocm_package("rocpd")[0] is not None:
+            return read_rocpd_package(databases)
         return _by_start([launch for db in databases for launch in read_rocpd(db)])
     kernel_csvs = sorted(path.rglob(f"*{_KERNEL_CSV_SUFFIX}"))
     if kernel_csvs:
@@ -98,6 +110,28 @@ def read_rocprof_output(path: str | Path) -> list[KernelLaunch]:
             [launch for kc in kernel_csvs for launch in read_kernel_trace_csv(kc, _sibling_marker_csv(kc))]
         )
     raise FileNotFoundError(f"no rocpd database (*.db) or *{_KERNEL_CSV_SUFFIX} under {path}")
+
+
+def read_rocpd_package(databases: Sequence[str | Path]) -> list[KernelLaunch]:
+    """Launches from every database of a run, read through rocprofiler-sdk's `rocpd` package:
+    `rocpd.connect` (a `RocpdImportData`, which answers `execute` like a sqlite3 connection)
+    over all of them at once, the same `kernels` query and dropped-dispatch check."""
+    rocpd, why = _load_rocm_package("rocpd")
+    if rocpd is None:
+        raise ImportError(why)
+    names = [str(Path(db).resolve()) for db in databases]
+    label = Path(names[0]) if len(names) == 1 else Path(f"{len(names)} rocpd databases")
+    data = rocpd.connect(names)
+    try:
+        views = _object_names(data, label)
+        sql = _KERNELS_SQL if "kernels" in views else _DISPATCH_SQL
+        rows = data.execute(sql).fetchall()
+        _warn_dropped(data, label, rows, "kernels view" if "kernels" in views else "symbol join")
+    finally:
+        close = getattr(data, "close", None)
+        if close is not None:
+            close()
+    return _by_start(_launches(rows))
 
 
 def read_rocpd(db_path: str | Path) -> list[KernelLaunch]:
@@ -121,6 +155,10 @@ def read_rocpd(db_path: str | Path) -> list[KernelLaunch]:
         _warn_dropped(con, db_path, rows, "kernels view" if "kernels" in views else "symbol join")
     finally:
         con.close()
+    return _launches(rows)
+
+
+def _launches(rows: list[tuple]) -> list[KernelLaunch]:
     return [
         KernelLaunch(
             name=name,
@@ -136,8 +174,12 @@ def read_rocpd(db_path: str | Path) -> list[KernelLaunch]:
 
 
 def _object_names(con: sqlite3.Connection, db_path: Path) -> set[str]:
+    """Tables and views, including temporary ones (`rocpd.connect` views its databases
+    through temporary views)."""
+    sql = ("SELECT name FROM sqlite_master WHERE type IN ('view', 'table') UNION "
+           "SELECT name FROM sqlite_temp_master WHERE type IN ('view', 'table')")
     try:
-        return {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type IN ('view', 'table')")}
+        return {row[0] for row in con.execute(sql)}
     except sqlite3.DatabaseError as e:
         raise ValueError(f"{db_path}: not an SQLite database ({e})") from e
 
@@ -241,13 +283,67 @@ def _by_start(launches: list[KernelLaunch]) -> list[KernelLaunch]:
     return sorted(launches, key=lambda launch: launch.start_ns)
 
 
+def rocm_python_dirs() -> list[Path]:
+    """Where ROCm installs its Python packages (rocpd, roctx) for this interpreter:
+    `<rocm>/lib/python3.X/site-packages`, with <rocm> from ROCM_PATH, else /opt/rocm."""
+    root = Path(os.environ.get("ROCM_PATH") or "/opt/rocm")
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return [root / "lib" / ver / "site-packages", root / "lib" / ver / "dist-packages"]
+
+
 @functools.cache
-def _load_roctx() -> tuple[ModuleType | None, str | None]:
-    """The ROCm `roctx` package (ctypes, under <rocm>/lib/python/site-packages), or why not."""
+def _load_rocm_package(name: str) -> tuple[ModuleType | None, str | None]:
+    """A ROCm Python package (`rocpd`, `roctx`): from the path as it is, else from ROCm's own
+    site-packages; or why not, naming where it was looked for."""
     try:
-        return importlib.import_module("roctx"), None
-    except (ImportError, OSError) as e:
-        return None, f"roctx package not importable ({e}); add <rocm>/lib/python/site-packages to PYTHONPATH"
+        return importlib.import_module(name), None
+    except (ImportError, OSError) as first:
+        error = first
+    found = [str(d) for d in rocm_python_dirs() if (d / name).is_dir()]
+    if found:
+        sys.path.extend(d for d in found if d not in sys.path)
+        try:
+            return importlib.import_module(name), None
+        except (ImportError, OSError) as e:
+            error = e
+    dirs = " or ".join(str(d) for d in rocm_python_dirs())
+    return None, (f"{name} package not importable ({error}); it ships with ROCm's "
+                  f"rocprofiler-sdk under {dirs} (set ROCM_PATH, or add that directory to "
+                  "PYTHONPATH)")
+
+
+def rocprof_child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process run under rocprofv3: ROCm's Python package directories
+    that exist go on its PYTHONPATH, so it finds `roctx` from a venv too."""
+    env = dict(os.environ if environ is None else environ)
+    extra = [str(d) for d in rocm_python_dirs() if d.is_dir()]
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([*extra, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def rocprofv3_capture_problem(python: str = sys.executable) -> str | None:
+    """Why a rocprofv3 capture of this workbench would fail or record nothing, or None. The
+    child marks its timed steps with ROCTx and rocprofv3 records only inside them
+    (`--selected-regions`): a child without `roctx` would run to the end and capture no
+    kernel, so that is refused before anything runs."""
+    if shutil.which("rocprofv3") is None:
+        return ("rocprofv3 is not on PATH: it ships with ROCm's rocprofiler-sdk (add "
+                "<rocm>/bin to PATH)")
+    res = subprocess.run([python, "-c", "import roctx"], env=rocprof_child_env(),
+                         capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        dirs = " or ".join(str(d) for d in rocm_python_dirs())
+        return (f"the profiled process can not import roctx ({last}); rocprofv3 records only "
+                f"inside its ROCTx ranges, so nothing would be captured. It ships with "
+                f"rocprofiler-sdk under {dirs}: set ROCM_PATH to the ROCm install")
+    return None
+
+
+def _load_roctx() -> tuple[ModuleType | None, str | None]:
+    """The ROCm `roctx` package (ctypes), or why not."""
+    return _load_rocm_package("roctx")
 
 
 def roctx_unavailable_reason() -> str | None:

@@ -18,8 +18,10 @@ from typing import Any
 import pandas as pd
 
 from qsa.presets import get_preset
-from qsa.profiling import (capture_proton, capture_torch_profiler, read_rocprof_output,
-                           roctx_profiler, roctx_range, rocprofv3_command, summarize)
+from qsa.profiling import (ProfilerUnavailableError, capture_proton, capture_torch_profiler,
+                           read_rocprof_output, roctx_profiler, roctx_range,
+                           roctx_unavailable_reason, rocprofv3_command, summarize)
+from qsa.profiling.rocprof import rocprof_child_env, rocprofv3_capture_problem
 from qsa.workbench.ops import Point, measure_prepared, prepare
 
 PROFILERS = ("torch", "proton", "rocprofv3")
@@ -38,6 +40,10 @@ def profile_point(point: Point, profiler: str, out_dir: Path, steps: int = 50
     raw trace plus `kernels.csv` (per-kernel summary) under `out_dir`."""
     if profiler not in PROFILERS:
         raise ValueError(f"profiler: {profiler!r} is not one of {', '.join(PROFILERS)}")
+    if profiler == "rocprofv3":
+        problem = rocprofv3_capture_problem()
+        if problem is not None:
+            raise ProfilerUnavailableError(problem)
     out_dir.mkdir(parents=True, exist_ok=True)
     prep = prepare(point)
     rec = measure_prepared(prep)  # verifies, then times with the workbench's method
@@ -54,15 +60,22 @@ def profile_point(point: Point, profiler: str, out_dir: Path, steps: int = 50
         cmd = rocprofv3_command(out_dir, "qsa", [sys.executable, "-m", "qsa.cli", "profile",
                                                  *point_args(point), "--profiler", "roctx",
                                                  "--steps", str(steps)])
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, env=rocprof_child_env())
         launches = read_rocprof_output(out_dir)
+        if not launches:
+            raise ProfilerUnavailableError(f"rocprofv3 recorded no kernel under {out_dir}: the "
+                                     "child's ROCTx ranges did not reach the profiler")
     summarize(launches).to_csv(out_dir / "kernels.csv", index=False)  # per kernel and step
     # One distribution per kernel over all captured steps for the comparison.
     return crosscheck(rec, summarize([dataclasses.replace(k, region=None) for k in launches]))
 
 
 def run_roctx_steps(point: Point, steps: int) -> None:
-    """Child side of a rocprofv3 capture: only the marked steps are collected."""
+    """Child side of a rocprofv3 capture: only the marked steps are collected, so without
+    roctx (the ranges would be no-ops) it refuses instead of capturing nothing."""
+    reason = roctx_unavailable_reason()
+    if reason is not None:
+        raise ProfilerUnavailableError(reason)
     prep = prepare(point)
     prep.check(None)
     with roctx_profiler():
