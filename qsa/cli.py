@@ -503,6 +503,7 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
         run.add({**point.as_record(), **rec, "profiler": profiler})
     console.print_json(json.dumps(rec, default=str))
     console.print(f"results and trace: {run.directory}")
+    _draw_figures(run.directory)
 
 
 

@@ -319,3 +319,17 @@ def test_step_runs_draw_decode_steps_and_prefill_chunks_apart(tmp_path: Path) ->
     stems = sorted(f.paths[0].stem for f in figs)
     assert len(stems) == 2 and stems[0].startswith("prefill_step") \
         and stems[1].startswith("step_breakdown")
+
+
+def test_profile_runs_draw_timing_against_the_profiler(tmp_path: Path) -> None:
+    df = pd.DataFrame([{"op": "score_stacked", "profiler": "torch", "timing_us": 10.0,
+                        "profiler_median_us": 10.4, "agree_within_noise": True,
+                        "device": "nvidia-h200", "functional_only": False},
+                       {"op": "score_stacked", "profiler": "proton", "timing_us": 10.1,
+                        "profiler_median_us": 14.0, "agree_within_noise": False,
+                        "device": "nvidia-h200", "functional_only": False}])
+    [fig] = plots.figures_for(df, "profile", tmp_path)
+    svg = check_files(fig, "timing module vs profiler")
+    assert "score_stacked (torch): agree" in svg and "score_stacked (proton): differ" in svg
+    heights = sorted(round(p.get_height(), 1) for p in fig.figure.axes[0].patches)
+    assert heights == [10.0, 10.1, 10.4, 14.0]

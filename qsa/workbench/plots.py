@@ -832,6 +832,22 @@ def _bench(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
                                title="Every point under the device's measured roofs")]
 
 
+def _profile(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa profile` run: the op's main kernel as the timing module and the profiler saw
+    it, side by side per profiler, the run's noise in the title."""
+    _check_columns(df, "op", "profiler", "timing_us", "profiler_median_us")
+    long = pd.concat([
+        df.assign(source="timing module", us=df["timing_us"]),
+        df.assign(source="profiler", us=df["profiler_median_us"])], ignore_index=True)
+    long["point"] = long["op"] + " · " + long["profiler"]
+    agree = df["agree_within_noise"].map({True: "agree", False: "differ"}) \
+        if "agree_within_noise" in df else pd.Series("", df.index)
+    verdict = ", ".join(f"{o} ({p}): {a}" for o, p, a in zip(df["op"], df["profiler"], agree))
+    return [grouped_bars(long, out, x="point", y="us", group="source", name="profile_crosscheck",
+                         title=f"Main kernel, timing module vs profiler: {verdict}",
+                         ylabel="median µs per call", caption=caption)]
+
+
 def _prefill_step(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
     return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch"),
                           ("chunk_rows", "context"), "prefill_step",
@@ -872,6 +888,7 @@ RECIPES: dict[str, Recipe] = {
     "prefill-step": _prefill_step,
     "step": _step_run,
     "tune": _tune,
+    "profile": _profile,
     "bench": _bench,
     "formats-capacity": _capacity,
     "formats-attention-error": _attention_error,
