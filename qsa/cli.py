@@ -511,13 +511,20 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
 def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/decode_scoring_cpu.yaml"),
           out: Path = typer.Option(Path("profiles"), help="results root"),
           jobs: Optional[int] = typer.Option(None, help="worker processes (default: one per GPU)"),
-          resume: bool = typer.Option(True, help="skip points already done with the same code")
+          resume: bool = typer.Option(True, help="skip points already done with the same code"),
+          backend: str = typer.Option("local", help="local (this host's GPUs) or ray (a Ray "
+                                      "cluster: one task per point, one GPU per task)"),
+          address: Optional[str] = typer.Option(None, help="ray: the cluster, auto (this "
+                                                "node's), ray://HOST:PORT, or local (start one "
+                                                "here)")
           ) -> None:
-    """Run a notebook sweep: one papermill process per point over the visible GPUs, resumable."""
+    """Run a notebook sweep: one papermill process per point over the visible GPUs (or the
+    GPUs of a Ray cluster), resumable."""
     from qsa.workbench.sweep import SweepError, SweepLocked, run_sweep
 
     try:
-        summary = run_sweep(spec, out, jobs=jobs, resume=resume)
+        summary = run_sweep(spec, out, jobs=jobs, resume=resume, backend=backend,
+                            address=address)
     except (SweepLocked, SweepError) as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

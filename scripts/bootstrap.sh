@@ -35,7 +35,8 @@ if sys.prefix != sys.base_prefix:
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.qsa-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh adds cluster (ray) for the Ray sweep tests
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
     spec="${QSA_TORCH:-torch==2.13.0}"
@@ -48,8 +49,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[qsa] installing $spec" >&2
     "$vpy" -m pip install -q "$spec"
   fi
-  echo "[qsa] installing qsa-workbench and its dependencies" >&2
-  "$vpy" -m pip install -q -e "$root[dev]"
+  echo "[qsa] installing qsa-workbench[$extras] and its dependencies" >&2
+  "$vpy" -m pip install -q -e "$root[$extras]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

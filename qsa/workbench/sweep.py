@@ -72,7 +72,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -790,46 +790,70 @@ def _recover_stale_status(sweep_dir: Path) -> dict[str, Any] | None:
     return {k: meta.get(k) for k in ("status", "stopped_by", "started_at", "pid", "host")}
 
 
-def resume_command(spec_path: str | Path, out_root: str | Path, jobs: int | None) -> str:
+def resume_command(spec_path: str | Path, out_root: str | Path, jobs: int | None,
+                   backend: str = "local", address: str | None = None) -> str:
     """The `qsa sweep` command line that resumes this sweep, from any directory."""
     args = ["qsa", "sweep", str(Path(spec_path).resolve()), "--out", str(Path(out_root).resolve())]
     if jobs is not None:
         args += ["--jobs", str(jobs)]
+    if backend != "local":
+        args += ["--backend", backend, "--address", address or "auto"]
     return shlex.join(args)
 
 
+BACKENDS = ("local", "ray")
+# Runs the points to do and reports each finished one: (todo, on_done(point, marker)).
+Executor = Callable[[Sequence[SweepPoint], Callable[[SweepPoint, dict[str, Any]], None]], None]
+
+
 def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: int | None = None,
-              resume: bool = True, progress: bool = True) -> SweepSummary:
+              resume: bool = True, progress: bool = True, backend: str = "local",
+              address: str | None = None) -> SweepSummary:
     """Run every point of a spec (skipping done ones when `resume`), then the report.
 
+    backend "local" spreads the points over this host's worker slots; "ray" makes each point a
+    task of the Ray cluster at `address` ("auto", "ray://host:port", or "local" for a cluster of
+    this machine), with the same point runner, markers and store (`qsa.workbench.sweep_ray`).
     Raises SweepLocked when another run holds the sweep folder. On Ctrl-C or SIGTERM the
     runners are stopped, sweep.json says `interrupted`, the resume command goes to stderr and
     the KeyboardInterrupt propagates.
     """
+    if backend not in BACKENDS:
+        raise SweepError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     spec = load_spec(spec_path)
-    slots = resolve_slots(spec.devices, spec.workers_per_device, jobs)
-    sweep_dir = Path(out_root).resolve() / device_slug_for(slots) / "sweeps" / spec.name
+    if backend == "ray":
+        from qsa.workbench import sweep_ray
+
+        cluster = sweep_ray.connect(address or "auto", spec.devices)
+        slug, labels = cluster.device_slug(), [cluster.label]
+    else:
+        slots = resolve_slots(spec.devices, spec.workers_per_device, jobs)
+        slug, labels = device_slug_for(slots), [s.label for s in slots]
+    sweep_dir = Path(out_root).resolve() / slug / "sweeps" / spec.name
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    resume_cmd = resume_command(spec_path, out_root, jobs, backend, address)
     with hold_sweep_lock(sweep_dir), _sigterm_interrupts():
         previous = _recover_stale_status(sweep_dir)
         version = code_version(spec.notebook)
         points = expand_points(spec, sweep_dir)
         todo, damaged = points_to_run(points, version, resume)
         meta = {"spec": str(Path(spec_path).resolve()), "notebook": str(spec.notebook),
-                "code_version": version, "slots": [s.label for s in slots],
+                "code_version": version, "backend": backend, "slots": labels,
                 "started_at": _utc_now(), "status": "running", "pid": os.getpid(),
                 "host": platform.node(), "points": len(points), "rerun_damaged": damaged,
                 "previous_run": previous}
         _write_json(sweep_dir / SWEEP_META, meta)
+        execute = (cluster.executor(spec, version) if backend == "ray"
+                   else _local_executor(spec, slots, version))
         try:
-            return _run_points(spec, slots, sweep_dir, version, points, todo, meta, progress)
+            return _run_points(spec, sweep_dir, points, todo, meta, progress, execute)
         except KeyboardInterrupt as exc:
             meta.update(status="interrupted", finished_at=_utc_now(),
                         stopped_by="SIGTERM" if isinstance(exc, SweepTerminated)
                         else "KeyboardInterrupt")
             _write_json(sweep_dir / SWEEP_META, meta)
             print(f"\nsweep {spec.name} interrupted; finished points are kept. Resume with:\n"
-                  f"  {resume_command(spec_path, out_root, jobs)}", file=sys.stderr)
+                  f"  {resume_cmd}", file=sys.stderr)
             raise
         except BaseException as exc:
             meta.update(status="crashed", finished_at=_utc_now(),
@@ -838,24 +862,43 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
             raise
 
 
-def _run_points(spec: SweepSpec, slots: Sequence[Slot], sweep_dir: Path, version: str,
-                points: Sequence[SweepPoint], todo: Sequence[SweepPoint], meta: dict[str, Any],
-                progress: bool) -> SweepSummary:
-    """Run `todo` over the slots, then write the table, the report and the final sweep.json;
+def _local_executor(spec: SweepSpec, slots: Sequence[Slot], version: str) -> Executor:
+    """The points over this host's worker slots, one thread per slot; Ctrl-C stops the
+    runners and keeps every finished point."""
+
+    def execute(todo: Sequence[SweepPoint],
+                on_done: Callable[[SweepPoint, dict[str, Any]], None]) -> None:
+        free: queue.Queue[Slot] = queue.Queue()
+        for s in slots:
+            free.put(s)
+        stop = threading.Event()
+
+        def work(point: SweepPoint) -> tuple[SweepPoint, dict[str, Any]]:
+            slot = free.get()
+            try:
+                return point, run_point(point, spec, version, slot, stop)
+            finally:
+                free.put(slot)
+
+        pool = ThreadPoolExecutor(max_workers=len(slots))
+        try:
+            for fut in as_completed([pool.submit(work, p) for p in todo]):
+                on_done(*fut.result())
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    return execute
+
+
+def _run_points(spec: SweepSpec, sweep_dir: Path, points: Sequence[SweepPoint],
+                todo: Sequence[SweepPoint], meta: dict[str, Any], progress: bool,
+                execute: Executor) -> SweepSummary:
+    """Run `todo` with `execute`, then write the table, the report and the final sweep.json;
     `meta` is kept current so an interruption records the counts so far."""
     from tqdm.auto import tqdm
-
-    free: queue.Queue[Slot] = queue.Queue()
-    for s in slots:
-        free.put(s)
-    stop = threading.Event()
-
-    def work(point: SweepPoint) -> tuple[SweepPoint, dict[str, Any]]:
-        slot = free.get()
-        try:
-            return point, run_point(point, spec, version, slot, stop)
-        finally:
-            free.put(slot)
 
     passed, failures = 0, []
     skipped = len(points) - len(todo)
@@ -863,25 +906,22 @@ def _run_points(spec: SweepSpec, slots: Sequence[Slot], sweep_dir: Path, version
     bar = tqdm(total=len(points), initial=skipped, desc=spec.name, unit="point",
                disable=not progress, dynamic_ncols=True)
     bar.set_postfix(passed=0, failed=0, skipped=skipped)
-    pool = ThreadPoolExecutor(max_workers=len(slots))
+
+    def on_done(point: SweepPoint, marker: dict[str, Any]) -> None:
+        nonlocal passed
+        if marker.get("status") == "passed":
+            passed += 1
+        else:
+            err = marker.get("error") or {}
+            failures.append({"point": point.name, "ename": err.get("ename"),
+                             "evalue": err.get("evalue"), "cell_index": err.get("cell_index")})
+        meta.update(passed=passed, failed=len(failures))
+        bar.set_postfix(passed=passed, failed=len(failures), skipped=skipped, refresh=False)
+        bar.update(1)
+
     try:
-        futures = [pool.submit(work, p) for p in todo]
-        for fut in as_completed(futures):
-            point, marker = fut.result()
-            if marker.get("status") == "passed":
-                passed += 1
-            else:
-                err = marker.get("error") or {}
-                failures.append({"point": point.name, "ename": err.get("ename"),
-                                 "evalue": err.get("evalue"), "cell_index": err.get("cell_index")})
-            meta.update(passed=passed, failed=len(failures))
-            bar.set_postfix(passed=passed, failed=len(failures), skipped=skipped, refresh=False)
-            bar.update(1)
-    except BaseException:
-        stop.set()  # Ctrl-C: stop the runners, keep every finished point
-        raise
+        execute(todo, on_done)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
     summary = SweepSummary(spec.name, sweep_dir, len(points), passed, len(failures), skipped,
