@@ -354,6 +354,11 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
          write: bool = typer.Option(False, help="store the winner in the config table"),
          selection: str = typer.Option("index", help="sparse_gqa_decode: token selections from "
                                        "the index path, or random (the worst case)"),
+         backend: str = typer.Option("local", help="--all: local (this GPU) or ray (each "
+                                     "shape's candidates as one task on one GPU of a Ray "
+                                     "cluster)"),
+         address: Optional[str] = typer.Option(None, help="ray: the cluster (auto, "
+                                               "ray://HOST:PORT, local)"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""
     from qsa.measure.results import start_run
@@ -378,8 +383,17 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                 run.add(row)
                 run.flush()
 
-            df = tune_all(points, max_candidates=max_candidates, write=write, force=force,
-                          on_row=keep)
+            if backend == "ray":
+                from qsa.workbench.tune import tune_all_on_cluster
+
+                df = tune_all_on_cluster(points, address or "auto",
+                                         max_candidates=max_candidates, write=write,
+                                         force=force, on_row=keep)
+            elif backend == "local":
+                df = tune_all(points, max_candidates=max_candidates, write=write, force=force,
+                              on_row=keep)
+            else:
+                raise typer.BadParameter(f"backend: {backend!r} is not local or ray")
         cols = [c for c in ("op", "index_format", "kv_format", "rows", "fmt", "bucket",
                             "status", "current_us", "best_us", "gain", "noise_rel", "verdict")
                 if c in df]

@@ -75,3 +75,29 @@ def test_a_killed_ray_driver_resumes_with_no_point_lost_or_run_twice(tmp_path: P
     assert meta["skipped"] == len(done_before) and meta["passed"] == 4 - len(done_before)
     first = json.loads((sweep_dir / "points" / "value=1" / sw.MARKER).read_text())
     assert first["finished_at"] < meta["started_at"]  # kept, not run again
+
+
+def test_tune_all_on_a_ray_cluster_tunes_each_coordinate_once_on_a_worker(tmp_path, monkeypatch):
+    """Each point is located by a worker; each distinct coordinate is tuned as one task (its
+    candidates in one process); nothing is written from interpreter timings."""
+    import shutil
+
+    from qsa.configs import TABLE_DIR
+    from qsa.workbench.ops import Point
+    from qsa.workbench.tune import tune_all_on_cluster
+    from support import tiny_preset
+
+    shutil.copytree(TABLE_DIR, tmp_path / "tables")
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path / "tables"))  # workers inherit it
+    tiny = tiny_preset()
+    points = [Point("score_stacked", tiny, 2, 160, 2), Point("score_stacked", tiny, 2, 160, 1),
+              Point("kv_store", tiny, 2, 160, 2, "bf16", "fp8")]
+    try:
+        df = tune_all_on_cluster(points, "local", max_candidates=2, samples=1)
+    finally:
+        import ray
+
+        ray.shutdown()
+    assert df["status"].tolist() == ["tuned", "same coordinate as shape 0", "tuned"]
+    assert (df.loc[[0, 2], "candidates"] == 2).all() and df.loc[0, "node"] == "cpu"
+    assert set(df["arch"]) == {"default"}  # the workers ran the interpreter

@@ -69,6 +69,24 @@ class RayCluster:
     def _options(self) -> dict[str, Any]:
         return {"num_gpus": 1, "num_cpus": TASK_CPUS} if self.gpu else {"num_cpus": TASK_CPUS}
 
+    def map(self, fn: Callable[..., Any], calls: Sequence[tuple]) -> list[Any]:
+        """`fn(*args)` for every args tuple, each a task in its own worker process on one GPU
+        (or, functional, one CPU under the Triton interpreter); results in order, a task's
+        exception in place of its result."""
+        ray = _ray()
+        env = {} if self.gpu else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "-1",
+                                   "HIP_VISIBLE_DEVICES": "-1"}
+        task = ray.remote(fn).options(max_retries=0, runtime_env={"env_vars": env},
+                                      **self._options())
+        refs = [task.remote(*args) for args in calls]
+        out: list[Any] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - handed back for the caller to record
+                out.append(getattr(e, "cause", None) or e)
+        return out
+
     def device_slug(self) -> str:
         """The store folder of the device the tasks run on, asked on a worker (the driver
         may have no GPU)."""

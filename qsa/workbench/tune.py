@@ -186,22 +186,95 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
             else:
                 df = tune_prepared(prep, coord, max_candidates=max_candidates, samples=samples,
                                    write=write, progress=progress)
-                ok = df[df["status"] == "ok"]
-                cur = ok[ok["is_current"]]
-                row.update(status="tuned", candidates=len(df), verified=len(ok),
-                           current_us=float(cur["us"].iloc[0]) if len(cur) else float("nan"),
-                           best_us=float(ok["us"].min()) if len(ok) else float("nan"),
-                           noise_rel=float(cur["noise_rel"].iloc[0]) if len(cur) else
-                           float("nan"))
-                if write:
-                    prov = get_config(coord.kernel, arch, coord.fmt, coord.size).provenance
-                    row.update(verdict=prov.get("verdict"), written_us=prov.get("us"))
+                row.update(_tuned_row(df, coord.kernel, arch, coord.fmt, coord.size, write))
             done.setdefault(key, i)
         except Exception as e:  # one failing shape is recorded; the others still run
             row.update(status=type(e).__name__, error=_short(e))
-        if "best_us" in row:
-            row["gain"] = row["current_us"] / row["best_us"]
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return pd.DataFrame(rows)
+
+
+def _tuned_row(df: pd.DataFrame, kernel: str, arch: str, fmt: str, bucket: int,
+               written: bool) -> dict[str, Any]:
+    """A tuned shape's summary: candidates, the current entry's and the best µs, its repeat
+    noise, the gain, and what the table now holds when it was written."""
+    ok = df[df["status"] == "ok"]
+    cur = ok[ok["is_current"]]
+    row: dict[str, Any] = {
+        "status": "tuned", "candidates": len(df), "verified": len(ok),
+        "current_us": float(cur["us"].iloc[0]) if len(cur) else float("nan"),
+        "best_us": float(ok["us"].min()) if len(ok) else float("nan"),
+        "noise_rel": float(cur["noise_rel"].iloc[0]) if len(cur) else float("nan")}
+    row["gain"] = row["current_us"] / row["best_us"]
+    if written:
+        prov = get_config(kernel, arch, fmt, bucket).provenance
+        row.update(verdict=prov.get("verdict"), written_us=prov.get("us"))
+    return row
+
+
+def locate(point: Point, force: bool = False) -> dict[str, Any]:
+    """Where a point's kernel looks its config up on this device, and whether that entry is
+    tuned here already: a cluster driver's first question to a worker."""
+    _, arch = backend_and_arch()
+    coord = config_coordinate(prepare(point))
+    return {"arch": arch, "kernel": coord.kernel, "fmt": coord.fmt, "bucket": coord.size,
+            "tuned_here": not force and tuned_here(coord, arch)}
+
+
+def tune_point(point: Point, max_candidates: int, samples: int | None
+               ) -> tuple[pd.DataFrame, Any]:
+    """One shape's candidates, timed in this process on this GPU (their ratios comparable);
+    nothing written: the cluster driver writes, one writer per table. Returns the device."""
+    prep = prepare(point)
+    df = tune_prepared(prep, config_coordinate(prep), max_candidates=max_candidates,
+                       samples=samples, write=False, progress=False)
+    return df, detect_device()
+
+
+def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: int = 24,
+                        samples: int | None = None, write: bool = False, force: bool = False,
+                        on_row: Callable[[dict[str, Any]], None] | None = None
+                        ) -> pd.DataFrame:
+    """`tune_all` over a Ray cluster (`qsa.workbench.sweep_ray`): every point located by a
+    worker, then each distinct coordinate tuned as one task (one shape's candidates on one
+    GPU, in one process), the winners written here by the driver with the worker's device in
+    their provenance. Rows as `tune_all`'s, plus the worker's `node`."""
+    from qsa.workbench import sweep_ray
+
+    cluster = sweep_ray.connect(address, "auto")
+    found = cluster.map(locate, [(p, force) for p in points])
+    rows: list[dict[str, Any]] = []
+    first: dict[tuple[str, str, int], int] = {}
+    to_tune: list[int] = []
+    for i, (point, loc) in enumerate(zip(points, found)):
+        row: dict[str, Any] = {**point.as_record(), "kernel": KERNEL_OF[point.op]}
+        if isinstance(loc, BaseException):
+            row.update(status=type(loc).__name__, error=_short(loc))
+        else:
+            key = (loc["kernel"], loc["fmt"], loc["bucket"])
+            row.update(fmt=loc["fmt"], bucket=loc["bucket"], arch=loc["arch"])
+            if key in first:
+                row["status"] = f"same coordinate as shape {first[key]}"
+            elif loc["tuned_here"]:
+                row["status"] = "tuned earlier on this device"
+            else:
+                to_tune.append(i)
+            first.setdefault(key, i)
+        rows.append(row)
+    results = cluster.map(tune_point, [(points[i], max_candidates, samples) for i in to_tune])
+    for i, res in zip(to_tune, results):
+        row = rows[i]
+        if isinstance(res, BaseException):
+            row.update(status=type(res).__name__, error=_short(res))
+            continue
+        df, dev = res
+        row["node"] = dev.name
+        if write:
+            write_winner(df, points[i].op, row["arch"], row["fmt"], row["bucket"], device=dev)
+        row.update(_tuned_row(df, row["kernel"], row["arch"], row["fmt"], row["bucket"], write))
+    for row in rows:
         if on_row is not None:
             on_row(row)
     return pd.DataFrame(rows)
@@ -241,7 +314,8 @@ def ranked(df: pd.DataFrame) -> pd.DataFrame:
     return ok
 
 
-def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) -> BlockConfig:
+def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
+                 device: Any | None = None) -> BlockConfig:
     """Store the fastest verified candidate with provenance (device, date, versions, µs, and the
     current entry's µs measured in the same run); when it is not faster than the current entry
     beyond the run's noise, the current entry is written back as confirmed."""
@@ -257,12 +331,10 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int) ->
         c = cur.iloc[0]
         if float(c["us"]) <= float(best["us"]) * (1 + run_noise(ok)):
             best, verdict = c, "confirmed"  # not faster beyond this run's noise: keep it
-    dev = detect_device()
-    import triton
-
+    dev = device or detect_device()  # the GPU the candidates ran on (a cluster's worker)
     prov = {"tuned": True, "verdict": verdict, "device": dev.name, "arch": arch,
-            "date": dt.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton.__version__, "us": float(best["us"]),
+            "date": dt.date.today().isoformat(), "torch": dev.torch_version,
+            "triton": dev.triton_version, "us": float(best["us"]),
             "p10_us": float(best["p10_us"]), "p90_us": float(best["p90_us"]),
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
             "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None}
