@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build a wheelhouse for a GPU host without internet access: every dependency of the package
-# (pyproject.toml [project.dependencies] and the dev extra, plus the setuptools the editable
+# (pyproject.toml [project.dependencies] and the extras scripts/test.sh installs, dev and
+# cluster (ray), plus the setuptools the editable
 # install builds with) downloaded as wheels for the *target's* Python version and platform.
 # torch and triton are left out by default: GPU hosts bring their own CUDA/ROCm builds.
 #
 #   scripts/wheelhouse.sh [--python 3.11] [--platform manylinux_2_28_x86_64] [--out wheelhouse]
-#                         [--extras dev,lab] [--with-torch] [--list]
+#                         [--extras dev,cluster,lab] [--with-torch] [--list]
 #
 # --list prints the requirements and exits (no network). See docs/offline.md for the install.
 set -euo pipefail
@@ -13,7 +14,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 pyver="3.11"
 platform="manylinux_2_28_x86_64"
 out="$root/wheelhouse"
-extras="dev"
+extras="dev,cluster"
 with_torch=0
 list_only=0
 while [ $# -gt 0 ]; do
