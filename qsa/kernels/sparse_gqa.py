@@ -71,6 +71,16 @@ def _row_request(qs_ptr, row, batch, BATCH_P2: tl.constexpr):
 
 
 @triton.jit
+def _id_blocks(ids, ctx, bt_row, max_pages, num_blocks, PAGE: tl.constexpr):
+    """Cache block of each token id through the request's page table, and which ids are
+    readable: not padding, inside the context, their page and block inside the pool."""
+    page = ids // PAGE
+    valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+    blk = tl.load(bt_row + page, mask=valid, other=-1)
+    return valid & (blk >= 0) & (blk < num_blocks), blk
+
+
+@triton.jit
 def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """E4M3 V codes [N, D] as the fp16 B operand of the PV product, converted in the layout
     they were loaded in (one packed instruction per two codes), so fp16 reaches the MMA through
@@ -140,10 +150,7 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
             valid = ids >= 0
             blk = ids // PAGE
         else:
-            page = ids // PAGE
-            valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
-            blk = tl.load(bt_row + page, mask=valid, other=-1)
-            valid = valid & (blk >= 0) & (blk < num_blocks)
+            valid, blk = _id_blocks(ids, ctx, bt_row, max_pages, num_blocks, PAGE)
         blk64 = blk.to(tl.int64)
         tok = (ids % PAGE) * HKV
         kv_off = tok * D + head_off
@@ -220,10 +227,8 @@ def _slots_kernel(ids_ptr, bt_ptr, ctx_ptr, qs_ptr, slots_ptr, batch, num_blocks
     req = _row_request(qs_ptr, row, batch, BATCH_P2)
     ctx = tl.load(ctx_ptr + req)
     ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ir + n, mask=n < width, other=-1)
-    page = ids // PAGE
-    valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + page, mask=valid, other=-1)
-    valid = valid & (blk >= 0) & (blk < num_blocks)
+    valid, blk = _id_blocks(ids, ctx, bt_ptr + req.to(tl.int64) * stride_bt, max_pages,
+                            num_blocks, PAGE)
     tl.store(slots_ptr + row.to(tl.int64) * width + n, tl.where(valid, blk * PAGE + ids % PAGE, -1),
              mask=n < width)
 

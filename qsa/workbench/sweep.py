@@ -410,10 +410,15 @@ def default_cpu_workers() -> int:
     return 2 if (os.cpu_count() or 1) >= 4 else 1
 
 
+def cpu_env(threads: int) -> dict[str, str]:
+    """A functional CPU worker's environment: no GPU visible, the Triton interpreter on, and
+    its share of the cores."""
+    return {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "TRITON_INTERPRET": "1",
+            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
 def _cpu_slots(n: int) -> list[Slot]:
-    threads = str(max(1, (os.cpu_count() or 1) // n))
-    env = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "TRITON_INTERPRET": "1",
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = cpu_env(max(1, (os.cpu_count() or 1) // n))
     return [Slot(f"cpu#{i}", env) for i in range(n)]
 
 

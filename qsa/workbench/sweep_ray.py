@@ -18,7 +18,7 @@ import platform
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from qsa.workbench.sweep import (Executor, Slot, SweepError, SweepPoint, SweepSpec,
+from qsa.workbench.sweep import (Executor, Slot, SweepError, SweepPoint, SweepSpec, cpu_env,
                                  device_slug_for, run_point)
 
 TASK_CPUS = 1
@@ -41,10 +41,7 @@ def _task_slot(gpu: bool) -> Slot:
     if gpu:
         ids = ",".join(str(i) for i in ray.get_gpu_ids())
         return Slot(f"ray:{platform.node()}:gpu{ids}", {})
-    return Slot(f"ray:{platform.node()}:cpu", {"CUDA_VISIBLE_DEVICES": "-1",
-                                                "HIP_VISIBLE_DEVICES": "-1",
-                                                "TRITON_INTERPRET": "1",
-                                                "OMP_NUM_THREADS": str(TASK_CPUS)})
+    return Slot(f"ray:{platform.node()}:cpu", cpu_env(TASK_CPUS))
 
 
 def _probe_slug(gpu: bool) -> str:
@@ -74,8 +71,7 @@ class RayCluster:
         (or, functional, one CPU under the Triton interpreter); results in order, a task's
         exception in place of its result."""
         ray = _ray()
-        env = {} if self.gpu else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "-1",
-                                   "HIP_VISIBLE_DEVICES": "-1"}
+        env = {} if self.gpu else cpu_env(TASK_CPUS)
         task = ray.remote(fn).options(max_retries=0, runtime_env={"env_vars": env},
                                       **self._options())
         refs = [task.remote(*args) for args in calls]

@@ -179,10 +179,10 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
             coord = config_coordinate(prep)
             key = (coord.kernel, coord.fmt, coord.size)
             row.update(fmt=coord.fmt, bucket=coord.size)
-            if key in done:
-                row["status"] = f"same coordinate as shape {done[key]}"
-            elif not force and tuned_here(coord, arch):
-                row["status"] = "tuned earlier on this device"
+            skip = _skip_reason(done.get(key),
+                                key not in done and not force and tuned_here(coord, arch))
+            if skip:
+                row["status"] = skip
             else:
                 df = tune_prepared(prep, coord, max_candidates=max_candidates, samples=samples,
                                    write=write, progress=progress)
@@ -194,6 +194,14 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
         if on_row is not None:
             on_row(row)
     return pd.DataFrame(rows)
+
+
+def _skip_reason(earlier: int | None, tuned: bool) -> str | None:
+    """Why a shape is not tuned: an earlier shape hit its coordinate, or the table holds an
+    entry tuned there on this device already; None: tune it."""
+    if earlier is not None:
+        return f"same coordinate as shape {earlier}"
+    return "tuned earlier on this device" if tuned else None
 
 
 def _tuned_row(df: pd.DataFrame, kernel: str, arch: str, fmt: str, bucket: int,
@@ -255,10 +263,9 @@ def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: in
         else:
             key = (loc["kernel"], loc["fmt"], loc["bucket"])
             row.update(fmt=loc["fmt"], bucket=loc["bucket"], arch=loc["arch"])
-            if key in first:
-                row["status"] = f"same coordinate as shape {first[key]}"
-            elif loc["tuned_here"]:
-                row["status"] = "tuned earlier on this device"
+            skip = _skip_reason(first.get(key), loc["tuned_here"])
+            if skip:
+                row["status"] = skip
             else:
                 to_tune.append(i)
             first.setdefault(key, i)
