@@ -56,42 +56,63 @@ def _keys(page_bytes: int, device: str) -> torch.Tensor:
     return word_keys(page_bytes, device)
 
 
+def _fmix64(x: int) -> int:
+    """fmix64 of one value with Python ints: the folds below hash a handful of scalars per
+    set, where numpy's per-call overhead (about 1 us a call, 8 calls a mix) would dominate."""
+    x ^= x >> 33
+    x = (x * C1) & MASK64
+    x ^= x >> 33
+    x = (x * C2) & MASK64
+    return x ^ (x >> 33)
+
+
 def fold(values: Sequence[int]) -> int:
     """An order-sensitive 64-bit hash of a short sequence of 64-bit values."""
-    h = np.array([SEED], dtype=np.uint64)
+    h = SEED
     for v in values:
-        h = _fold_array(h, np.array([v & MASK64], dtype=np.uint64))
-    return int(h[0])
+        h = _fmix64(((h ^ (v & MASK64)) * GOLDEN) & MASK64)
+    return h
 
 
 def _u64(x: int) -> np.ndarray:
     return np.array(x & MASK64, dtype=np.uint64)
 
 
+_C1, _C2, _GOLDEN, _SHIFT = _u64(C1), _u64(C2), _u64(GOLDEN), np.uint64(33)
+
+
 def fmix64_array(x: np.ndarray) -> np.ndarray:
     """MurmurHash3's fmix64 on uint64 arrays (numpy array arithmetic wraps mod 2^64, without
-    warnings)."""
-    s = np.uint64(33)
-    x = x ^ (x >> s)
-    x = x * _u64(C1)
-    x = x ^ (x >> s)
-    x = x * _u64(C2)
-    return x ^ (x >> s)
+    warnings); `x` is not modified."""
+    x = x ^ (x >> _SHIFT)
+    x *= _C1
+    x ^= x >> _SHIFT
+    x *= _C2
+    x ^= x >> _SHIFT
+    return x
 
 
 def _fold_array(h: np.ndarray, v: np.ndarray) -> np.ndarray:
     """One step of `fold` for many sequences at once."""
-    return fmix64_array((h ^ v) * _u64(GOLDEN))
+    return fmix64_array((h ^ v) * _GOLDEN)
 
 
 def _mix_sum(values: np.ndarray, tag: int) -> int:
     """sum_i fmix64(v_i XOR key(i, tag)) mod 2^64: an order-sensitive digest of a long
     sequence in a few vector passes (a sequential fold over thousands of pages costs ms)."""
-    i = np.arange(values.size, dtype=np.uint64)
-    keys = fmix64_array(i * _u64(GOLDEN) + _u64(SEED ^ tag))
-    return int(fmix64_array(values.astype(np.uint64) ^ keys).sum(dtype=np.uint64))
+    return int(fmix64_array(values.astype(np.uint64) ^ _mix_keys(values.size, tag))
+               .sum(dtype=np.uint64))
 
 
+@functools.lru_cache(maxsize=32)
+def _mix_keys(n: int, tag: int) -> np.ndarray:
+    """The keys of `_mix_sum` for a length and tag (page sets repeat their sizes)."""
+    keys = fmix64_array(np.arange(n, dtype=np.uint64) * _GOLDEN + _u64(SEED ^ tag))
+    keys.flags.writeable = False
+    return keys
+
+
+@functools.lru_cache(maxsize=64)
 def layout_word(layout_digest: str) -> int:
     """64 bits standing for a layout digest (any string) in the folds."""
     return int.from_bytes(hashlib.blake2b(layout_digest.encode(), digest_size=8).digest(), "big")
@@ -106,7 +127,7 @@ def bind(contents: np.ndarray | int, positions: np.ndarray | int, layout_digest:
          set_id: int, count: int) -> np.ndarray:
     """Digests (uint64) of pages with content sums `contents` at `positions` of a set of
     `count` pages: fold(layout, set id, count, position, content), broadcast over the arrays."""
-    h = np.array(fold((layout_word(layout_digest), set_id, count)), dtype=np.uint64)
+    h = _u64(fold((layout_word(layout_digest), set_id, count)))
     h = _fold_array(h, np.asarray(positions).astype(np.uint64))
     return _fold_array(h, np.asarray(contents).astype(np.uint64))
 
