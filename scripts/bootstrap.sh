@@ -49,8 +49,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[qsa] installing $spec" >&2
     "$vpy" -m pip install -q "$spec"
   fi
+  # The editable install builds with setuptools >= 68 (pyproject.toml). When the environment
+  # already has one (a GPU host's venv or conda usually does), it builds with that one instead
+  # of downloading another into an isolated build environment, so a host without internet
+  # access needs no setuptools wheel; otherwise pip's isolated build is used.
+  isolation=()
+  if "$vpy" -c 'import sys, setuptools
+sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' >/dev/null 2>&1; then
+    isolation=(--no-build-isolation)
+  fi
   echo "[qsa] installing qsa-workbench[$extras] and its dependencies" >&2
-  "$vpy" -m pip install -q -e "$root[$extras]"
+  "$vpy" -m pip install -q ${isolation[@]+"${isolation[@]}"} -e "$root[$extras]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
