@@ -28,8 +28,9 @@
 # **Keeping the winner:** set `write_winner = True` on a GPU. The last cell writes the fastest
 # verified config into `qsa/configs/tables/<kernel>.json` at the table coordinate the kernel
 # itself looks up for this shape, with provenance (device, date, versions, µs and the previous
-# entry's µs), but only when it beats the current entry beyond the run's noise; otherwise the
-# current entry is written back as confirmed. Interpreter timings are never written.
+# entry's µs), but only when it beats the current entry beyond the run's noise and again in a
+# fresh process (timed alternately with the current entry); otherwise the current entry is
+# written back as confirmed. Interpreter timings are never written.
 #
 # The CPU default tunes a tiny shape over a few candidates under the Triton interpreter: a
 # functional check, times mean nothing.
@@ -130,9 +131,14 @@ print(f"{sum(len(f.paths) for f in figs)} figure files in {out}")
 # %%
 if write_winner:
     from qsa.kernels.common import backend_and_arch
+    from qsa.presets import as_preset
+    from qsa.workbench.ops import Point
 
-    kept = tuner.write_winner(df, op, backend_and_arch()[1], str(df["kernel_fmt"].iloc[0]),
-                        int(df["bucket"].iloc[0]))
+    point = Point(op, as_preset(preset), **shape, index_format=index_format,
+                  kv_format=kv_format)
+    kept = tuner.write_winner(
+        df, op, backend_and_arch()[1], str(df["kernel_fmt"].iloc[0]), int(df["bucket"].iloc[0]),
+        recheck=lambda cur, win: tuner.recheck_in_fresh_process(point, cur, win, samples))
     print("written to", table_path(KERNEL_OF[op]), "at bucket", int(df["bucket"].iloc[0]), ":",
           kept.as_dict())
 else:

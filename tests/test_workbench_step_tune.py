@@ -160,6 +160,88 @@ def test_a_win_inside_the_noise_confirms_the_current_entry(monkeypatch, tmp_path
     assert choice.provenance["verdict"] == "confirmed" and choice.provenance["us"] == 10.0
 
 
+def _recheck(current_us, winner_us, noise_rel=0.02, functional_only=False):
+    return tune_mod.Recheck(current_us, winner_us, noise_rel, functional_only, 1, "NVIDIA H200")
+
+
+def test_a_winner_confirmed_in_a_fresh_process_is_written_with_both_timings(monkeypatch,
+                                                                            tmp_path):
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    df, cfgs = _tuned([10.0, 7.5], [0.2, 0.1])
+    asked = []
+
+    def recheck(cur, win):
+        asked.append((cur, win))
+        return _recheck(10.2, 7.6)
+
+    assert tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256,
+                                 recheck=recheck) == cfgs[1]
+    assert asked == [(cfgs[0], cfgs[1])]  # the current entry against the run's winner
+    prov = get_config("score_stacked", "sm90", "bf16", 256, table_dir=tmp_path).provenance
+    assert prov["verdict"] == "faster" and prov["recheck"]["winner_us"] == 7.6
+    assert prov["recheck"]["current_us"] == 10.2 and "rejected" not in prov
+
+
+def test_a_winner_the_fresh_process_does_not_confirm_is_not_written(monkeypatch, tmp_path):
+    """25% faster in the tuning run, within 1% of the current entry in the re-check (2%
+    noise): the current entry stays, confirmed, and the provenance says what was rejected."""
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    df, cfgs = _tuned([10.0, 7.5], [0.2, 0.1])
+    won = tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256,
+                                recheck=_recheck(10.0, 9.9))
+    assert won == cfgs[0]
+    prov = get_config("score_stacked", "sm90", "bf16", 256, table_dir=tmp_path).provenance
+    assert prov["verdict"] == "confirmed" and prov["us"] == 10.0
+    assert prov["rejected"]["config"] == cfgs[1].as_dict()
+    assert prov["rejected"]["tuning_us"] == 7.5 and prov["rejected"]["recheck"]["winner_us"] == 9.9
+    with pytest.raises(RuntimeError, match="interpreter"):
+        tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256,
+                              recheck=_recheck(10.0, 7.0, functional_only=True))
+    # No winner in the tuning run: nothing to re-check.
+    df, _ = _tuned([10.0, 9.9], [0.1, 0.1], noise_rel=0.03)
+    tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256,
+                          recheck=lambda cur, win: pytest.fail("re-checked a non-winner"))
+
+
+def test_tune_with_write_rechecks_the_winner_in_another_process(monkeypatch, tmp_path):
+    """The tuner's write path hands the re-check the point and both configs; the re-check
+    itself runs in a child process that verifies and times each config twice."""
+    import os
+
+    from qsa.configs import TABLE_DIR
+    from qsa.measure.device import detect_device
+    from qsa.workbench.ops import Point
+
+    shutil.copytree(TABLE_DIR, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    real = tune_mod.measure_prepared
+
+    def gpu_like(prep, cfg, samples=None, twice=False):  # the second candidate wins clearly
+        r = real(prep, cfg, samples=1, twice=twice)
+        fast = cfg != cfgs_seen[0] if cfgs_seen else False
+        cfgs_seen.append(cfg)
+        return {**r, "us": 5.0 if fast else 10.0, "iqr_us": 0.0, "noise_rel": 0.0,
+                "functional_only": False}
+
+    cfgs_seen: list = []
+    calls = []
+    monkeypatch.setattr(tune_mod, "measure_prepared", gpu_like)
+    monkeypatch.setattr(tune_mod, "recheck_in_fresh_process",
+                        lambda point, cur, win, samples=None: calls.append((point, cur, win))
+                        or _recheck(10.0, 5.0))
+    df = tune_mod.tune("score_rowwise", preset=TINY, batch=1, context=24, rows=1,
+                       max_candidates=2, progress=False, write=True)
+    assert len(calls) == 1 and calls[0][0] == Point("score_rowwise", TINY, 1, 24, 1)
+    assert calls[0][1] == cfgs_seen[0] and calls[0][2] == cfgs_seen[1]
+    prov = get_config("score_rowwise", df["arch"].iloc[0], df["kernel_fmt"].iloc[0],
+                      int(df["bucket"].iloc[0]), table_dir=tmp_path).provenance
+    assert prov["verdict"] == "faster" and prov["recheck"]["winner_us"] == 5.0
+    monkeypatch.undo()
+    r = tune_mod.recheck_in_fresh_process(calls[0][0], calls[0][1], calls[0][2], samples=1)
+    assert r.pid != os.getpid() and r.functional_only == (not detect_device().is_gpu)
+    assert r.current_us > 0 and r.winner_us > 0 and r.noise_rel >= 0
+
+
 @pytest.mark.parametrize("op", [
     "score_stacked", "score_rowwise", "score_prefill", "topk_expand", "compress", "kv_store",
     "sparse_gqa_decode", "sparse_gqa_prefill"])

@@ -7,6 +7,13 @@ value, with the launch options the backend accepts (NVIDIA rejects AMD keys; AMD
 `waves_per_eu`). Candidates that exceed shared memory or registers are pruned by Triton's own
 resource check at compile time (`OutOfResources`, before any launch); like every failing
 candidate (compile error, wrong result) they are recorded with the reason and skipped.
+
+A winner is written only after a second opinion: small kernels read differently from one
+process to the next by more than the candidates differ inside one, so a candidate that beat
+the current entry in the tuning run is timed again against it in a fresh process (alternately,
+current / winner / winner / current) and kept only if it still wins beyond that re-check's own
+noise (`recheck_in_fresh_process`); otherwise the current entry is written back as confirmed,
+with the rejected candidate and both timings in its provenance.
 """
 
 from __future__ import annotations
@@ -14,7 +21,14 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
@@ -135,7 +149,8 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
         df[k] = v
     df["arch"], df["bucket"], df["kernel_fmt"] = arch, coord.size, coord.fmt
     if write:
-        write_winner(df, op, arch, coord.fmt, coord.size)
+        write_winner(df, op, arch, coord.fmt, coord.size,
+                     recheck=lambda cur, win: recheck_in_fresh_process(point, cur, win, samples))
     return df
 
 
@@ -232,13 +247,21 @@ def locate(point: Point, force: bool = False) -> dict[str, Any]:
 
 
 def tune_point(point: Point, max_candidates: int, samples: int | None
-               ) -> tuple[pd.DataFrame, Any]:
-    """One shape's candidates, timed in this process on this GPU (their ratios comparable);
-    nothing written: the cluster driver writes, one writer per table. Returns the device."""
+               ) -> tuple[pd.DataFrame, Any, Recheck | None]:
+    """One shape's candidates, timed in this process on this GPU (their ratios comparable),
+    and, when a candidate won, its re-check in a fresh process on the same worker; nothing
+    written: the cluster driver writes, one writer per table. Returns the device too."""
     prep = prepare(point)
     df = tune_prepared(prep, config_coordinate(prep), max_candidates=max_candidates,
                        samples=samples, write=False, progress=False)
-    return df, detect_device()
+    recheck = None
+    ok = df[df["status"] == "ok"]
+    if not ok.empty and not bool(ok["functional_only"].any()):
+        best, verdict = _pick(ok)
+        if verdict == "faster":
+            recheck = recheck_in_fresh_process(point, _config(ok[ok["is_current"]].iloc[0]),
+                                               _config(best), samples)
+    return df, detect_device(), recheck
 
 
 def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: int = 24,
@@ -276,10 +299,11 @@ def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: in
         if isinstance(res, BaseException):
             row.update(status=type(res).__name__, error=_short(res))
             continue
-        df, dev = res
+        df, dev, recheck = res
         row["node"] = dev.name
         if write:
-            write_winner(df, points[i].op, row["arch"], row["fmt"], row["bucket"], device=dev)
+            write_winner(df, points[i].op, row["arch"], row["fmt"], row["bucket"], device=dev,
+                         recheck=recheck)
         row.update(_tuned_row(df, row["kernel"], row["arch"], row["fmt"], row["bucket"], write))
     for row in rows:
         if on_row is not None:
@@ -321,30 +345,121 @@ def ranked(df: pd.DataFrame) -> pd.DataFrame:
     return ok
 
 
+def _pick(ok: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The tuning run's choice among verified rows: the fastest, "faster" when it beats the
+    current entry beyond the run's noise, else the current entry, "confirmed"."""
+    best = ok.loc[ok["us"].idxmin()]
+    cur = ok[ok["is_current"]]
+    if not cur.empty:
+        c = cur.iloc[0]
+        if float(c["us"]) <= float(best["us"]) * (1 + run_noise(ok)):
+            return c, "confirmed"  # not faster beyond this run's noise: keep it
+    return best, "faster"
+
+
+def _config(row: pd.Series) -> BlockConfig:
+    return BlockConfig.from_dict(json.loads(row["config"]))
+
+
+@dataclass(frozen=True)
+class Recheck:
+    """The current entry and a tuning run's winner timed again in a fresh process: µs of each
+    (the mean of its two timings), the re-check's relative noise (the larger spread of the two
+    repeats and of each timing's IQR), and where it ran."""
+
+    current_us: float
+    winner_us: float
+    noise_rel: float
+    functional_only: bool
+    pid: int
+    device: str
+
+    @property
+    def confirms(self) -> bool:
+        return self.current_us > self.winner_us * (1 + self.noise_rel)
+
+
+RecheckFn = Callable[[BlockConfig, BlockConfig], Recheck]
+
+
+def recheck_in_fresh_process(point: Point, current: BlockConfig, winner: BlockConfig,
+                             samples: int | None = None, device: str | None = None,
+                             timeout_s: float = 900.0) -> Recheck:
+    """Time `current` and `winner` on `point` in a new Python process (its own CUDA context,
+    caches and clocks history), alternately: current, winner, winner, current; each timing
+    verified first. Raises RuntimeError with the child's output tail when it fails."""
+    with tempfile.TemporaryDirectory(prefix="qsa-recheck-") as tmp:
+        job, out = Path(tmp) / "job.pkl", Path(tmp) / "out.json"
+        job.write_bytes(pickle.dumps({"point": point, "configs": [current, winner],
+                                      "samples": samples, "device": device}))
+        res = subprocess.run([sys.executable, "-m", "qsa.workbench.tune", "recheck", str(job),
+                              str(out)], capture_output=True, text=True, timeout=timeout_s)
+        if res.returncode != 0 or not out.exists():
+            raise RuntimeError(f"re-check of {point.op} in a fresh process failed (exit "
+                               f"{res.returncode}): {(res.stderr or res.stdout)[-1500:]}")
+        return Recheck(**json.loads(out.read_text()))
+
+
+def _recheck_child(job: Path, out: Path) -> None:
+    """The fresh process of `recheck_in_fresh_process`."""
+    spec = pickle.loads(job.read_bytes())
+    prep = prepare(spec["point"], spec["device"])
+    cur, win = spec["configs"]
+    timed: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for which in (0, 1, 1, 0):
+        timed[which].append(measure_prepared(prep, (cur, win)[which], spec["samples"]))
+
+    def mean_us(rs: list[dict[str, Any]]) -> float:
+        return sum(float(r["us"]) for r in rs) / len(rs)
+
+    spread = [abs(rs[0]["us"] - rs[1]["us"]) / min(rs[0]["us"], rs[1]["us"])
+              for rs in timed.values()]
+    iqr = [float(r["iqr_us"]) / float(r["us"]) for rs in timed.values() for r in rs]
+    out.write_text(json.dumps(asdict(Recheck(
+        current_us=mean_us(timed[0]), winner_us=mean_us(timed[1]),
+        noise_rel=max(spread + iqr),
+        functional_only=any(bool(r["functional_only"]) for rs in timed.values() for r in rs),
+        pid=os.getpid(), device=detect_device().name))))
+
+
 def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
-                 device: Any | None = None) -> BlockConfig:
+                 device: Any | None = None, recheck: Recheck | RecheckFn | None = None
+                 ) -> BlockConfig:
     """Store the fastest verified candidate with provenance (device, date, versions, µs, and the
     current entry's µs measured in the same run); when it is not faster than the current entry
-    beyond the run's noise, the current entry is written back as confirmed."""
+    beyond the run's noise, the current entry is written back as confirmed. `recheck` (a
+    result, or a function of (current, winner) that makes one): a winner must also win the
+    re-check in a fresh process, or the current entry is kept, confirmed, with the rejected
+    candidate in its provenance."""
     ok = df[df["status"] == "ok"]
     if ok.empty:
         raise RuntimeError(f"tune {op}: no candidate passed verification; nothing written")
     if bool(ok["functional_only"].any()):
         raise RuntimeError(f"tune {op}: interpreter timings mean nothing; nothing written")
-    best = ok.loc[ok["us"].idxmin()]
+    best, verdict = _pick(ok)
     cur = ok[ok["is_current"]]
-    verdict = "faster"
-    if not cur.empty:
-        c = cur.iloc[0]
-        if float(c["us"]) <= float(best["us"]) * (1 + run_noise(ok)):
-            best, verdict = c, "confirmed"  # not faster beyond this run's noise: keep it
+    extra: dict[str, Any] = {}
+    if verdict == "faster" and recheck is not None and not cur.empty:
+        r = recheck(_config(cur.iloc[0]), _config(best)) if callable(recheck) else recheck
+        if r.functional_only:
+            raise RuntimeError(f"tune {op}: the re-check ran on the interpreter; nothing written")
+        if r.confirms:
+            extra["recheck"] = asdict(r)
+        else:
+            extra["rejected"] = {"config": json.loads(best["config"]),
+                                 "tuning_us": float(best["us"]), "recheck": asdict(r)}
+            best, verdict = cur.iloc[0], "confirmed"
     dev = device or detect_device()  # the GPU the candidates ran on (a cluster's worker)
     prov = {"tuned": True, "verdict": verdict, "device": dev.name, "arch": arch,
             "date": dt.date.today().isoformat(), "torch": dev.torch_version,
             "triton": dev.triton_version, "us": float(best["us"]),
             "p10_us": float(best["p10_us"]), "p90_us": float(best["p90_us"]),
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
-            "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None}
-    cfg = BlockConfig.from_dict(json.loads(best["config"]))
+            "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None, **extra}
+    cfg = _config(best)
     write_entry(KERNEL_OF[op], arch, fmt, bucket, cfg, prov)
     return cfg
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["recheck"]:
+    _recheck_child(Path(sys.argv[2]), Path(sys.argv[3]))
