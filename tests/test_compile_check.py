@@ -60,3 +60,16 @@ def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):
 def test_an_unknown_arch_is_refused_by_name(tmp_path):
     res = _check(tmp_path / "cc.csv", "--arch", "sm100")
     assert res.returncode == 2 and "sm100" in res.stdout + res.stderr
+
+
+def test_each_target_compiles_in_its_own_process(tmp_path):
+    """Triton 3.6 keeps target-dependent state per process: with gfx950 compiled first in the
+    same process, gfx942's FP8 (e4m3fnuz) conversions of the K/V store failed an assertion of
+    the AMD backend, while a gfx942-only process (a real MI300X host) compiles them."""
+    out = tmp_path / "cc.csv"
+    res = _check(out, "--arch", "gfx950,gfx942", "--ops", "kv_store")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    df = pd.read_csv(out)
+    assert list(dict.fromkeys(df["arch"])) == ["gfx950", "gfx942"]
+    fp8 = df[(df["arch"] == "gfx942") & (df["fmt"] == "fp8")]
+    assert len(fp8) == 2 and (fp8["status"] == "ok").all() and (fp8["registers"] > 0).all()
