@@ -50,12 +50,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$vpy" -m pip install -q "$spec"
   fi
   # The editable install builds with setuptools >= 68 (pyproject.toml). When the environment
-  # already has one (a GPU host's venv or conda usually does), it builds with that one instead
-  # of downloading another into an isolated build environment, so a host without internet
-  # access needs no setuptools wheel; otherwise pip's isolated build is used.
+  # already has what that build needs (setuptools >= 70.1, or >= 68 with the `wheel` package,
+  # which older setuptools need for editable builds; a GPU host's venv or conda usually has
+  # it), it builds with that instead of downloading it into an isolated build environment, so
+  # a host without internet access needs no setuptools wheel; otherwise pip's isolated build
+  # is used.
   isolation=()
-  if "$vpy" -c 'import sys, setuptools
-sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' >/dev/null 2>&1; then
+  if "$vpy" -c 'import importlib.util, sys, setuptools
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+sys.exit(not (v >= (70, 1) or (v >= (68, 0) and importlib.util.find_spec("wheel"))))' \
+      >/dev/null 2>&1; then
     isolation=(--no-build-isolation)
   fi
   echo "[qsa] installing qsa-workbench[$extras] and its dependencies" >&2

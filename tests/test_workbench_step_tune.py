@@ -227,11 +227,12 @@ def test_tune_with_write_rechecks_the_winner_in_another_process(monkeypatch, tmp
     calls = []
     monkeypatch.setattr(tune_mod, "measure_prepared", gpu_like)
     monkeypatch.setattr(tune_mod, "recheck_in_fresh_process",
-                        lambda point, cur, win, samples=None: calls.append((point, cur, win))
-                        or _recheck(10.0, 5.0))
+                        lambda point, cur, win, samples=None, device=None:
+                        calls.append((point, cur, win, device)) or _recheck(10.0, 5.0))
     df = tune_mod.tune("score_rowwise", preset=TINY, batch=1, context=24, rows=1,
-                       max_candidates=2, progress=False, write=True)
+                       max_candidates=2, progress=False, write=True, device="cpu")
     assert len(calls) == 1 and calls[0][0] == Point("score_rowwise", TINY, 1, 24, 1)
+    assert calls[0][3] == "cpu"  # re-checked on the device it was tuned on
     assert calls[0][1] == cfgs_seen[0] and calls[0][2] == cfgs_seen[1]
     prov = get_config("score_rowwise", df["arch"].iloc[0], df["kernel_fmt"].iloc[0],
                       int(df["bucket"].iloc[0]), table_dir=tmp_path).provenance

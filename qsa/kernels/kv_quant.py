@@ -40,7 +40,8 @@ def _quotient_rn(x, scale):
     underflows. Rows with scale < 2^-32 are first multiplied by 2^96 on both sides (exact: a
     power of two, no overflow since |x| <= 448 * scale), which keeps y and, for every quotient
     an E4M3 code can distinguish from zero (>= 2^-11), the residual normal; smaller quotients
-    round to a zero code whatever their last bits.
+    round to a zero code whatever their last bits. An input of -0 gives code +0 (the residual
+    FMA adds +0): the spec compares codes by value, where -0 equals +0.
     """
     lift = tl.where(scale < 2.3283064365386963e-10, 7.922816251426434e+28, 1.0)  # 2^-32, 2^96
     b = scale * lift

@@ -88,7 +88,8 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
                   selection=selection)
     return tune_prepared(prepare(point, device), max_candidates=max_candidates,
-                         samples=samples, write=write, progress=progress, candidates=candidates)
+                         samples=samples, write=write, progress=progress, candidates=candidates,
+                         device=device)
 
 
 def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
@@ -112,8 +113,10 @@ def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
 
 def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates: int = 48,
                   samples: int | None = None, write: bool = False, progress: bool = True,
-                  candidates: list[dict[str, Any]] | None = None) -> pd.DataFrame:
-    """`tune` on a prepared point; `coord` is its config coordinate when already known."""
+                  candidates: list[dict[str, Any]] | None = None, device: str | None = None
+                  ) -> pd.DataFrame:
+    """`tune` on a prepared point; `coord` is its config coordinate when already known;
+    `device` is the one the point was prepared on (the re-check runs there too)."""
     point = prep.point
     op = point.op
     backend, arch = backend_and_arch()
@@ -150,7 +153,8 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
     df["arch"], df["bucket"], df["kernel_fmt"] = arch, coord.size, coord.fmt
     if write:
         write_winner(df, op, arch, coord.fmt, coord.size,
-                     recheck=lambda cur, win: recheck_in_fresh_process(point, cur, win, samples))
+                     recheck=lambda cur, win: recheck_in_fresh_process(point, cur, win, samples,
+                                                                       device))
     return df
 
 
@@ -200,7 +204,7 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
                 row["status"] = skip
             else:
                 df = tune_prepared(prep, coord, max_candidates=max_candidates, samples=samples,
-                                   write=write, progress=progress)
+                                   write=write, progress=progress, device=device)
                 row.update(_tuned_row(df, coord.kernel, arch, coord.fmt, coord.size, write))
             done.setdefault(key, i)
         except Exception as e:  # one failing shape is recorded; the others still run
@@ -246,17 +250,18 @@ def locate(point: Point, force: bool = False) -> dict[str, Any]:
             "tuned_here": not force and tuned_here(coord, arch)}
 
 
-def tune_point(point: Point, max_candidates: int, samples: int | None
+def tune_point(point: Point, max_candidates: int, samples: int | None, write: bool = False
                ) -> tuple[pd.DataFrame, Any, Recheck | None]:
     """One shape's candidates, timed in this process on this GPU (their ratios comparable),
-    and, when a candidate won, its re-check in a fresh process on the same worker; nothing
-    written: the cluster driver writes, one writer per table. Returns the device too."""
+    and, with `write`, when a candidate beat a verified current entry, its re-check in a fresh
+    process on the same worker; nothing written: the cluster driver writes, one writer per
+    table. Returns the device too."""
     prep = prepare(point)
     df = tune_prepared(prep, config_coordinate(prep), max_candidates=max_candidates,
                        samples=samples, write=False, progress=False)
     recheck = None
     ok = df[df["status"] == "ok"]
-    if not ok.empty and not bool(ok["functional_only"].any()):
+    if write and ok["is_current"].any() and not bool(ok["functional_only"].any()):
         best, verdict = _pick(ok)
         if verdict == "faster":
             recheck = recheck_in_fresh_process(point, _config(ok[ok["is_current"]].iloc[0]),
@@ -293,7 +298,8 @@ def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: in
                 to_tune.append(i)
             first.setdefault(key, i)
         rows.append(row)
-    results = cluster.map(tune_point, [(points[i], max_candidates, samples) for i in to_tune])
+    results = cluster.map(tune_point, [(points[i], max_candidates, samples, write)
+                                       for i in to_tune])
     for i, res in zip(to_tune, results):
         row = rows[i]
         if isinstance(res, BaseException):
@@ -392,8 +398,13 @@ def recheck_in_fresh_process(point: Point, current: BlockConfig, winner: BlockCo
         job, out = Path(tmp) / "job.pkl", Path(tmp) / "out.json"
         job.write_bytes(pickle.dumps({"point": point, "configs": [current, winner],
                                       "samples": samples, "device": device}))
-        res = subprocess.run([sys.executable, "-m", "qsa.workbench.tune", "recheck", str(job),
-                              str(out)], capture_output=True, text=True, timeout=timeout_s)
+        try:
+            res = subprocess.run([sys.executable, "-m", "qsa.workbench.tune", "recheck",
+                                  str(job), str(out)], capture_output=True, text=True,
+                                 timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"re-check of {point.op} in a fresh process took more than "
+                               f"{timeout_s:g} s") from None
         if res.returncode != 0 or not out.exists():
             raise RuntimeError(f"re-check of {point.op} in a fresh process failed (exit "
                                f"{res.returncode}): {(res.stderr or res.stdout)[-1500:]}")
@@ -430,7 +441,8 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
     beyond the run's noise, the current entry is written back as confirmed. `recheck` (a
     result, or a function of (current, winner) that makes one): a winner must also win the
     re-check in a fresh process, or the current entry is kept, confirmed, with the rejected
-    candidate in its provenance."""
+    candidate in its provenance. When the current entry itself failed (no verified time to
+    compare with), the fastest verified candidate is written without a re-check."""
     ok = df[df["status"] == "ok"]
     if ok.empty:
         raise RuntimeError(f"tune {op}: no candidate passed verification; nothing written")
