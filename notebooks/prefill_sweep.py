@@ -112,7 +112,7 @@ print(f"{sum(len(f.paths) for f in figs)} figure files in {out}")
 # graph.
 
 # %%
-from qsa.workbench.step import step_breakdown
+from qsa.workbench.step import step_breakdown, step_total
 
 step_run = start_run("prefill-step", root=results_root, device=dev,
                      extra={"notebook": "prefill_sweep", "profile": profile, "grid": g,
@@ -131,7 +131,7 @@ with step_run:
             step_run.add({**rec, "preset": p.name, "batch": batch, "context": c,
                           "chunk_rows": chunk, "index_format": index_format,
                           "kv_format": kv_format, "mtp": mtp})
-        total = steps.loc[steps["kernel"] == "sum of kernels", "us_per_step"].iloc[0]
+        total = step_total(steps)
         print(f"{p.name} context {c:7d} chunk {chunk:5d} rows: {total:12.2f} µs per chunk "
               "(sum of kernels)")
         step_run.flush()

@@ -50,7 +50,7 @@ dev = wb.prepare_runtime(device)
 results_root = wb.results_root(results_root)
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import plots
-from qsa.workbench.step import step_breakdown
+from qsa.workbench.step import step_breakdown, step_total
 
 OVERRIDES = {"cpu-smoke": {"topk_groups": 32}, "gpu": {}}
 GRIDS = {
@@ -77,7 +77,7 @@ with run:
         for rec in steps.to_dict("records"):
             run.add({**rec, "preset": p.name, "batch": b, "context": c, "index_format": fmt,
                      "kv_format": kv_format, "mtp": mtp})
-        total = steps.loc[steps["kernel"] == "sum of kernels", "us_per_step"].iloc[0]
+        total = step_total(steps)
         print(f"{p.name} {fmt:6s} batch {b:3d} context {c:7d}: {total:12.2f} µs per step "
               "(sum of kernels)")
         run.flush()

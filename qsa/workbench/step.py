@@ -30,6 +30,12 @@ LAYER_OPS: dict[str, tuple[str, ...]] = {
     "prefill": ("compress", "kv_store", "score_prefill", "topk_expand", "sparse_gqa_prefill"),
 }
 PHASES = tuple(LAYER_OPS)
+SUM_ROW = "sum of kernels"  # the summary row of a step frame (suite targets name it too)
+
+
+def step_total(steps: pd.DataFrame) -> float:
+    """µs per step summed over the kernels, from a `step_breakdown` frame."""
+    return float(steps.loc[steps["kernel"] == SUM_ROW, "us_per_step"].iloc[0])
 
 
 def decode_scorer_op() -> str:
@@ -109,7 +115,7 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
     df = pd.DataFrame(rows)
     total = df["us_per_step"].sum()
     df["share"] = df["us_per_step"] / total
-    summary = [{"phase": "step", "kernel": "sum of kernels", "us_per_step": total, "share": 1.0,
+    summary = [{"phase": "step", "kernel": SUM_ROW, "us_per_step": total, "share": 1.0,
                 "method": df["method"].iloc[0], "functional_only": bool(df["functional_only"].any())}]
     if graph and not bool(df["functional_only"].any()):
         t = time_fn(lambda i: _run_step(preps, i), 1, method="graph")
@@ -156,7 +162,7 @@ def step_comparison(frames: list[pd.DataFrame], figure: Path, title: str) -> pd.
     steps = both[both["phase"] == "step"].pivot_table(
         index=["index_format", "kv_format"], columns="kernel", values="us_per_step",
         sort=False)
-    cmp = pd.DataFrame({"sum_us": steps["sum of kernels"],
+    cmp = pd.DataFrame({"sum_us": steps[SUM_ROW],
                         "graph_us": steps.get("graph replay", float("nan"))}).reset_index()
     cmp["speedup_sum"] = cmp["sum_us"].iloc[0] / cmp["sum_us"]
     cmp["speedup_graph"] = cmp["graph_us"].iloc[0] / cmp["graph_us"]

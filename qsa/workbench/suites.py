@@ -194,7 +194,7 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
     from qsa.measure.files import atomic_write_bytes
     from qsa.measure.results import start_run
     from qsa.workbench.ops import measure
-    from qsa.workbench.step import step_breakdowns
+    from qsa.workbench.step import SUM_ROW, step_breakdowns
 
     preset = dataclasses.asdict(suite.preset)
     with start_run("suite", root=root, extra={"suite": suite.name, "preset": preset,
@@ -225,7 +225,7 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
                            "batch": s["batch"], "context": s["context"], "mtp": s.get("mtp"),
                            "chunk_rows": s.get("rows"), "verified": True, **r}
                     run.add(rec)
-                    if on_row and r["kernel"] == "sum of kernels":
+                    if on_row and r["kernel"] == SUM_ROW:
                         on_row(rec)
                 run.flush()
             step_frames.append((s, frames))

@@ -259,13 +259,9 @@ def tune_point(point: Point, max_candidates: int, samples: int | None, write: bo
     prep = prepare(point)
     df = tune_prepared(prep, config_coordinate(prep), max_candidates=max_candidates,
                        samples=samples, write=False, progress=False)
-    recheck = None
     ok = df[df["status"] == "ok"]
-    if write and ok["is_current"].any() and not bool(ok["functional_only"].any()):
-        best, verdict = _pick(ok)
-        if verdict == "faster":
-            recheck = recheck_in_fresh_process(point, _config(ok[ok["is_current"]].iloc[0]),
-                                               _config(best), samples)
+    pair = _contest(ok) if write and not bool(ok["functional_only"].any()) else None
+    recheck = recheck_in_fresh_process(point, *pair, samples) if pair else None
     return df, detect_device(), recheck
 
 
@@ -367,6 +363,14 @@ def _config(row: pd.Series) -> BlockConfig:
     return BlockConfig.from_dict(json.loads(row["config"]))
 
 
+def _contest(ok: pd.DataFrame) -> tuple[BlockConfig, BlockConfig] | None:
+    """(current, winner) when the tuning run's winner beat a verified current entry: the pair
+    a re-check in a fresh process must decide; None when there is nothing to re-check."""
+    cur = ok[ok["is_current"]]
+    best, verdict = _pick(ok)
+    return (_config(cur.iloc[0]), _config(best)) if verdict == "faster" and len(cur) else None
+
+
 @dataclass(frozen=True)
 class Recheck:
     """The current entry and a tuning run's winner timed again in a fresh process: µs of each
@@ -451,8 +455,9 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
     best, verdict = _pick(ok)
     cur = ok[ok["is_current"]]
     extra: dict[str, Any] = {}
-    if verdict == "faster" and recheck is not None and not cur.empty:
-        r = recheck(_config(cur.iloc[0]), _config(best)) if callable(recheck) else recheck
+    pair = _contest(ok) if recheck is not None else None
+    if pair:
+        r = recheck(*pair) if callable(recheck) else recheck
         if r.functional_only:
             raise RuntimeError(f"tune {op}: the re-check ran on the interpreter; nothing written")
         if r.confirms:
