@@ -337,6 +337,22 @@ def step(preset: str = PRESET_OPT,
     _draw_figures(run.directory)
 
 
+def _candidates(text: Optional[str]) -> Optional[list[dict]]:
+    """`--candidates`: a JSON list of config changes, given inline or as a file's path."""
+    if text is None:
+        return None
+    path = Path(text)
+    source = path.read_text() if not text.lstrip().startswith("[") and path.is_file() else text
+    try:
+        value = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"--candidates: not JSON ({e}), nor a file holding it") from None
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+        raise typer.BadParameter("--candidates: expected a JSON list of objects such as "
+                                 '{"meta": {"BLOCK_N": 64}, "num_warps": 8}')
+    return value
+
+
 @app.command()
 def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_stacked"),
          all_: bool = typer.Option(False, "--all", help="every kernel call of the decode step "
@@ -359,6 +375,10 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                                      "cluster)"),
          address: Optional[str] = typer.Option(None, help="ray: the cluster (auto, "
                                                "ray://HOST:PORT, local)"),
+         candidates: Optional[str] = typer.Option(
+             None, help='changes to the current entry to try instead of the derived space: a '
+             'JSON list, inline or in a file, e.g. \'[{"meta": {"MERGE_LAST": 1}}, '
+             '{"num_warps": 8}]\''),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""
     from qsa.measure.results import start_run
@@ -368,6 +388,8 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
     ctx = _one_int(context)
     if all_ == (op is not None):
         raise typer.BadParameter("give either an op or --all")
+    if all_ and candidates is not None:
+        raise typer.BadParameter("--candidates: one op's changes; --all derives each space")
     if all_:
         from qsa.workbench.step import step_calls
 
@@ -402,7 +424,8 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
     try:
         df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
                       index_format=index_format, kv_format=kv_format,
-                      max_candidates=max_candidates, write=write, selection=selection)
+                      max_candidates=max_candidates, write=write, selection=selection,
+                      candidates=_candidates(candidates))
     except ValueError as e:  # a bad op, shape, format or selection, named by the message
         raise typer.BadParameter(str(e)) from None
     ok = df[df["status"] == "ok"].sort_values("us")

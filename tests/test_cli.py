@@ -1,6 +1,7 @@
 """The `qsa` command line: help lists the commands, bad values are refused by name, and a bench
 run lands in the results store."""
 
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +111,33 @@ def test_compare_two_runs_writes_the_table_and_the_figure(tmp_path):
     assert (tmp_path / "cmp" / "compare.png").is_file()
     res = _qsa(["compare", str(tmp_path), str(b)])
     assert res.returncode == 2 and "neither a run" in res.stderr
+
+
+def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
+    """`qsa tune --candidates` hands the parsed changes to the tuner; bad JSON, a non-list and
+    a combination with --all are refused by name."""
+    import pandas as pd
+
+    import qsa.workbench.tune as tune_mod
+
+    seen = []
+
+    def fake_tune(op, **kw):
+        seen.append(kw["candidates"])
+        return pd.DataFrame([{"candidate": 0, "status": "ok", "us": 1.0, "p10_us": 1.0,
+                              "p90_us": 1.0, "config": "{}"}])
+
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    changes = [{"meta": {"MERGE_LAST": 1}}, {"num_warps": 8}]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(changes))
+    for given in (json.dumps(changes), str(path)):
+        res = runner.invoke(app, ["tune", "sparse_gqa_decode", "--candidates", given,
+                                  "--out", str(tmp_path / "store")])
+        assert res.exit_code == 0, res.output
+    assert seen == [changes, changes]
+    for bad, msg in (("[{", "not JSON"), ('{"num_warps": 8}', "expected a JSON list")):
+        res = runner.invoke(app, ["tune", "sparse_gqa_decode", "--candidates", bad])
+        assert res.exit_code != 0 and msg in res.output
+    res = runner.invoke(app, ["tune", "--all", "--candidates", "[]"])
+    assert res.exit_code != 0 and "one op's changes" in res.output

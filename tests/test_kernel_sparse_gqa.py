@@ -50,10 +50,11 @@ def _case(kv_format: str, group: int, block_size: int, shape: tuple, seed: int =
     return case, topk_expand_reference(scores, case.batch, p)
 
 
-def _slots_config(kv_format: str, rows: int, slots: int) -> BlockConfig:
-    """This device's table entry with the id -> slot pre-pass switched on or off."""
+def _entry_with(kv_format: str, rows: int, **meta: int) -> BlockConfig:
+    """This device's table entry with config keys switched: SLOTS (the id -> slot pre-pass),
+    MERGE_LAST (the last split merges instead of the merge kernel)."""
     entry = get_config("sparse_gqa_decode", backend_and_arch()[1], kv_format, rows)
-    return entry.config.with_meta(SLOTS=slots)
+    return entry.config.with_meta(**meta)
 
 
 def _tol(ref: torch.Tensor) -> dict:
@@ -101,6 +102,24 @@ def test_decode_matches_reference(kv_format: str, block_size: int, group: int,
 
 
 @pytest.mark.interp_surrogate
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_decode_last_split_merges(kv_format: str, splits: int) -> None:
+    """MERGE_LAST: the split that finishes last for its (row, KV head) merges all of them, with
+    no merge kernel; a row without ids (every split empty) still outputs zeros, and a second
+    call on the same shapes merges again (its counters start from zero)."""
+    case, ids = _case(kv_format, 12, 16, DECODE)
+    ids = ids.clone()
+    ids[5] = -1
+    ref = _reference(case, ids, kv_format)
+    config = _entry_with(kv_format, ids.shape[0], MERGE_LAST=1, SLOTS=0)
+    for _ in range(2):
+        out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits, config=config)
+        torch.testing.assert_close(out, ref, **_tol(ref))
+        assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+@pytest.mark.interp_surrogate
 @pytest.mark.parametrize(("block_size", "group"), [(16, 12), (64, 12), (16, 1)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) -> None:
@@ -144,7 +163,7 @@ def test_order_strides_and_unchecked_ids(kv_format: str, slots: int) -> None:
     assert q.stride(0) != q[0].numel() and past.stride(0) != past.shape[1]
     sparse_gqa_decode(q, cache, case.batch, past, case.preset, kv_format, out=out,
                       num_splits=2, check=False,
-                      config=_slots_config(kv_format, q.shape[0], slots))
+                      config=_entry_with(kv_format, q.shape[0], SLOTS=slots))
     torch.testing.assert_close(out.float(), ref, **_tol(ref))
 
 
@@ -306,19 +325,20 @@ def _gpu_case(kv_format: str, preset_name: str, block_size: int, shape: tuple, s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_last", [0, 1])
 @pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 @pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_gpu_decode(kv_format: str, block_size: int, preset_name: str,
-                    splits: int | None, slots: int) -> None:
+                    splits: int | None, slots: int, merge_last: int) -> None:
     case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
     ids = ids.clone()
     ids[-1] = -1
     ref = _reference(case, ids, kv_format)
     out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
-               config=_slots_config(kv_format, ids.shape[0], slots))
+               config=_entry_with(kv_format, ids.shape[0], SLOTS=slots, MERGE_LAST=merge_last))
     torch.testing.assert_close(out, ref, **_tol(ref))
 
 

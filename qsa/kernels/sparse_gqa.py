@@ -20,8 +20,12 @@ Design, and why:
   FP16 in range, q is scaled by a power of two per tile (undone in the score scale) and each
   row's scaled probabilities are normalised by their tile maximum (undone on the PV result).
 * Decode grids (rows x KV heads) are often far smaller than the device, so the token list is
-  split across programs, each writing a partial output and its log-sum-exp; a merge kernel
-  combines them. The split count comes from the config or from the SM/CU count.
+  split across programs, each writing a partial output and its log-sum-exp, which are then
+  merged. The split count comes from the config or from the SM/CU count. Two ways to merge,
+  chosen by the config key MERGE_LAST: a merge kernel (a second launch), or the split that
+  finishes last for its (row, KV head) merges all of them itself (counted with one atomic per
+  split, on counters zeroed for each call), which saves the launch and its round trips where a
+  small batch is latency-bound.
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
 """
 
@@ -52,7 +56,7 @@ MAX_M = 128
 MAX_SPLITS = 64
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS", "SLOTS")
+              "MERGE_WARPS", "SLOTS", "MERGE_LAST")
 _REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT")
 
 
@@ -97,9 +101,31 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
     return tl.max(tl.reshape(v.to(tl.float16), (BLOCK_N, D, 1)), axis=2).to(tl.float16)
 
 
+@triton.jit
+def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
+                      SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
+    """Log-sum-exp merge of the SPLITS partials of one (row, KV head), run by the split that
+    arrived last. The partials were written by other programs: they are read past L1 (.cg),
+    after the acquiring atomic that counted them."""
+    s = tl.arange(0, SPLITS_P2)
+    lse = tl.load(lse_ptr + part0[:, None] + s[None, :], mask=hmask[:, None] & (s < SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, axis=1)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no split has a token: every weight is 0
+    w = tl.exp2(lse - top[:, None])  # a split with no token has lse -inf, weight 0
+    den = tl.sum(w, axis=1)
+    acc = tl.zeros([w.shape[0], D], tl.float32)
+    for j in range(SPLITS):
+        o = tl.load(po_ptr + (part0 + j)[:, None] * D + d[None, :], mask=hmask[:, None],
+                    other=0.0, cache_modifier=".cg")
+        acc += o * tl.sum(tl.where(s[None, :] == j, w, 0.0), axis=1)[:, None]
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
 @triton.jit(repr=_attention_repr)
 def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
-                       out_ptr, po_ptr, lse_ptr,
+                       out_ptr, po_ptr, lse_ptr, cnt_ptr,
                        batch, num_blocks, max_pages, width, num_splits,
                        stride_qr, stride_qh, stride_ir, stride_bt, stride_kb, stride_vb,
                        stride_ksb, stride_vsb, stride_or, stride_oh, qk_scale,
@@ -107,7 +133,8 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
                        FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr,
-                       SLOTS: tl.constexpr):
+                       SLOTS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+                       MERGE_SPLITS_P2: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % num_splits
     unit = pid // num_splits
@@ -183,15 +210,21 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    hmask = (m_offs < G)[:, None]
+    hmask = m_offs < G
+    out_off = row64 * stride_or + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:
-        part = (row64 * (HKV * G) + heads) * num_splits + split  # [rows, Hq, splits] order
-        tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask)
-        tl.store(lse_ptr + part, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
-                                          float("-inf")), mask=m_offs < G)
+        part0 = (row64 * (HKV * G) + heads) * num_splits  # [rows, Hq, splits] order
+        tl.store(po_ptr + (part0 + split)[:, None] * D + d[None, :], o, mask=hmask[:, None])
+        tl.store(lse_ptr + part0 + split, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
+                                                   float("-inf")), mask=hmask)
+        if MERGE_SPLITS > 0:
+            # Every thread's partial is stored before the one releasing atomic counts it.
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + unit, 1, sem="acq_rel") == MERGE_SPLITS - 1:
+                _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
+                                  MERGE_SPLITS, MERGE_SPLITS_P2, D)
     else:
-        tl.store(out_ptr + row64 * stride_or + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D"]))
@@ -404,22 +437,28 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
             num_warps=4)
+    merge_last = split and bool(host.get("MERGE_LAST", 0))
     if split:
         po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = lse = out  # unread placeholders
+    # Arrival counters, one per (row, KV head), zeroed per call: a buffer kept across calls
+    # would be shared by launches on concurrent streams.
+    cnt = torch.zeros(units, dtype=torch.int32, device=q.device) if merge_last else ids
     _sparse_gqa_kernel[(units * num_splits,)](
         q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
-        out, po, lse,
+        out, po, lse, cnt,
         batch.batch, kc.shape[0], batch.block_table.shape[1], width, num_splits,
         q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
         kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
         preset.softmax_scale * LOG2E,
         HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(g)),
         PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
-        BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots, **kw)
-    if split:
+        BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
+        MERGE_SPLITS=num_splits if merge_last else 0,
+        MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, **kw)
+    if split and not merge_last:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](
             po, lse, out, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
