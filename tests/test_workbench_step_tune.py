@@ -108,6 +108,12 @@ def test_config_space_keeps_backends_apart():
     assert len(small) == 5 and small[0] == base
     odd = BlockConfig({"BLOCK_N": 64}, 16, 7)  # launch options outside the searched axes
     assert tune_mod.config_space("score_stacked", odd, "cuda")[0] == odd
+    # a switch is tried on and off, whichever way the entry has it; a size of 1 stays
+    flags = BlockConfig({"BLOCK_N": 64, "SLOTS": 1, "MERGE_LAST": 0, "SPLIT_MIN_BLOCKS": 1}, 4, 2)
+    space = tune_mod.config_space("sparse_gqa_decode", flags, "cuda", max_candidates=500)
+    assert {(c.meta["SLOTS"], c.meta["MERGE_LAST"]) for c in space} == {(0, 0), (0, 1), (1, 0),
+                                                                       (1, 1)}
+    assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1}
 
 
 def test_tune_records_failures_and_refuses_interpreter_winners(monkeypatch, tmp_path):

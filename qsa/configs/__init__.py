@@ -20,6 +20,10 @@ from typing import Any
 
 TABLE_DIR = Path(__file__).with_name("tables")
 AMD_ONLY_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# Meta keys that switch a step of a kernel on (1) or off (0), such as sparse GQA's id -> slot
+# pre-pass and its merge by the last split: the tuner tries both values, where it tries half
+# and double of a size.
+SWITCH_KEYS = ("SLOTS", "MERGE_LAST")
 
 
 class ConfigError(ValueError):
