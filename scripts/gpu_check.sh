@@ -29,7 +29,7 @@ print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
 EOF
 cat "$out/env.txt"
 step ceilings python3 -m qsa.cli ceilings --measure
-step gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
+step gpu_tests python3 -m pytest -m "gpu or on_gpu_too" -q -p no:cacheprovider
 # Benchmarks: the workbench's suites (results store under profiles/, targets.json and
 # targets.md next to each run), then the page-offload benchmark, which is not a kernel op.
 # --quick runs the headline suite only.

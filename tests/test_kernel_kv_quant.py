@@ -153,6 +153,7 @@ def test_store_decode_sized_and_empty(kv_format: str) -> None:
         assert torch.equal(got[n].float().nan_to_num(7.0), before[n].float().nan_to_num(7.0))
 
 
+@pytest.mark.on_gpu_too
 @pytest.mark.parametrize("seed", [0, 1])
 def test_store_fp8_codes_over_the_whole_exponent_range(seed: int) -> None:
     """Rows whose scales span FP32 from subnormal to 2^100, with elements down to 2^-40 of
