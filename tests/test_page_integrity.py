@@ -253,9 +253,31 @@ def test_the_manifest_sees_order_and_membership():
 def test_the_digest_kernel_matches_its_reference(pages, page_bytes):
     """The one-pass Triton kernel (GPU offloads use it) against the torch reference, on chunk
     counts that do and do not divide the page."""
-    from qsa.kernels.page_digest import page_content_sums
+    from qsa.kernels.page_digest import page_content_sums, page_partial_sums
 
     data = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(pages))
     want = dg.content_sums_reference(data, dg.word_keys(page_bytes, "cpu"))
     assert torch.equal(page_content_sums(data.to(DEVICE)).cpu(), want)
+    # the offload's path: the kernel's parts added on the host, page groups in order
+    got = dg.host_sums([page_partial_sums(data[:1].to(DEVICE)),
+                        page_partial_sums(data[1:].to(DEVICE))])
+    assert np.array_equal(got, want.numpy().view(np.uint64))
+
+
+def test_small_sets_fold_on_integers_to_the_same_digests(monkeypatch):
+    """Sets of up to SMALL_SET pages are folded with Python integers (host time of a small
+    offload); the digests and the manifest must equal the vector path's, on both sides of
+    the threshold."""
+    rng = np.random.default_rng(0)
+    small = dg.SMALL_SET
+    for n in (1, 2, 5, small, small + 1):
+        sums = rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False)
+        blocks = rng.integers(0, 1 << 40, n).tolist()
+        got = dg.page_digests(sums, "L", 9)
+        assert np.array_equal(got, dg.bind(sums, np.arange(n), "L", 9, n))
+        man = dg.manifest_digest("L", 9, 64, got, blocks)
+        monkeypatch.setattr(dg, "SMALL_SET", 0)  # every size on the vector path
+        assert np.array_equal(dg.page_digests(sums, "L", 9), got)
+        assert dg.manifest_digest("L", 9, 64, got, blocks) == man
+        monkeypatch.setattr(dg, "SMALL_SET", small)

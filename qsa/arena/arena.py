@@ -279,9 +279,11 @@ class Arena:
         if bad.size:
             raise ArenaError(f"block {int(bad[0])} is out of range: the arena has "
                              f"{self.num_blocks} blocks (0..{self.num_blocks - 1})")
-        uniq, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise ArenaError(f"block {int(uniq[counts > 1][0])} appears more than once")
+        if ids.size > 1:
+            ordered = np.sort(ids)
+            twice = ordered[1:][ordered[1:] == ordered[:-1]]
+            if twice.size:
+                raise ArenaError(f"block {int(twice[0])} appears more than once")
         if state == "free":
             busy = ids[~self._free[ids]]
             if busy.size:

@@ -33,21 +33,34 @@ import torch
 from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sums_reference,
                                        word_keys)
 
-__all__ = ["MASK64", "as_int64", "as_uint64", "bind", "content_sums", "content_sums_reference",
-           "fmix64_array", "fold", "layout_word", "manifest_digest", "new_set_id",
-           "page_digests", "word_keys"]
+__all__ = ["MASK64", "as_int64", "as_uint64", "bind", "content_parts", "content_sums",
+           "content_sums_reference", "fmix64_array", "fold", "host_sums", "layout_word",
+           "manifest_digest", "new_set_id", "page_digests", "word_keys"]
 
 
 def content_sums(pages: torch.Tensor) -> torch.Tensor:
     """sum_j fmix64(w_j XOR k_j) mod 2^64 of pages [n, page_bytes] uint8 (rows contiguous):
-    int64 [n] on the pages' device. Integer sums wrap, so the reduction order does not matter.
-    On a GPU, one pass of the Triton kernel in `qsa.kernels.page_digest` (keys made in the
-    kernel); elsewhere `content_sums_reference` with the keys of that page size."""
-    if pages.is_cuda and pages.shape[0] > 0:
-        from qsa.kernels.page_digest import page_content_sums
+    int64 [n] on the pages' device. Integer sums wrap, so the reduction order does not matter."""
+    return content_parts(pages).sum(dim=1)
 
-        return page_content_sums(pages)
-    return content_sums_reference(pages, _keys(pages.shape[1], str(pages.device)))
+
+def content_parts(pages: torch.Tensor) -> torch.Tensor:
+    """The content sums in parts, int64 [n, k] on the pages' device (their sum mod 2^64 along
+    k is `content_sums`), issued without waiting. On a GPU, one pass of the Triton kernel in
+    `qsa.kernels.page_digest` (keys made in the kernel); elsewhere `content_sums_reference`
+    with the keys of that page size."""
+    if pages.is_cuda and pages.shape[0] > 0:
+        from qsa.kernels.page_digest import page_partial_sums
+
+        return page_partial_sums(pages)
+    return content_sums_reference(pages, _keys(pages.shape[1], str(pages.device)))[:, None]
+
+
+def host_sums(parts: Sequence[torch.Tensor]) -> np.ndarray:
+    """The content sums (uint64, pages in order) of `content_parts` results of consecutive
+    page groups, read back and added on the host: waits for the device work issued before."""
+    return np.concatenate([t.cpu().numpy().view(np.uint64).sum(axis=1, dtype=np.uint64)
+                           for t in parts])
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,11 +79,22 @@ def _fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
+# Up to this many values, the folds below run on Python integers: numpy's per-call overhead
+# (a dozen calls of about 1 us per fold) would cost more than the arithmetic, and a one-page
+# offload is host-bound (profiles/nvidia-h200/offload-speed/).
+SMALL_SET = 16
+
+
+def _step(h: int, v: int) -> int:
+    """One fold step on Python integers; `_fold_array` is the same on arrays."""
+    return _fmix64(((h ^ (v & MASK64)) * GOLDEN) & MASK64)
+
+
 def fold(values: Sequence[int]) -> int:
     """An order-sensitive 64-bit hash of a short sequence of 64-bit values."""
     h = SEED
     for v in values:
-        h = _fmix64(((h ^ (v & MASK64)) * GOLDEN) & MASK64)
+        h = _step(h, v)
     return h
 
 
@@ -100,8 +124,11 @@ def _fold_array(h: np.ndarray, v: np.ndarray) -> np.ndarray:
 def _mix_sum(values: np.ndarray, tag: int) -> int:
     """sum_i fmix64(v_i XOR key(i, tag)) mod 2^64: an order-sensitive digest of a long
     sequence in a few vector passes (a sequential fold over thousands of pages costs ms)."""
-    return int(fmix64_array(values.astype(np.uint64) ^ _mix_keys(values.size, tag))
-               .sum(dtype=np.uint64))
+    keys = _mix_keys(values.size, tag)
+    if values.size <= SMALL_SET:
+        return sum(_fmix64(v ^ k) for v, k in zip(values.astype(np.uint64).tolist(),
+                                                   keys.tolist())) & MASK64
+    return int(fmix64_array(values.astype(np.uint64) ^ keys).sum(dtype=np.uint64))
 
 
 @functools.lru_cache(maxsize=32)
@@ -132,10 +159,15 @@ def bind(contents: np.ndarray | int, positions: np.ndarray | int, layout_digest:
     return _fold_array(h, np.asarray(contents).astype(np.uint64))
 
 
-def page_digests(sums: torch.Tensor, layout_digest: str, set_id: int) -> np.ndarray:
-    """Digests (uint64) of every page of a set from its content sums (int64, in set order)."""
-    c = sums.cpu().numpy().view(np.uint64)
-    return bind(c, np.arange(c.size), layout_digest, set_id, c.size)
+def page_digests(sums: np.ndarray, layout_digest: str, set_id: int) -> np.ndarray:
+    """Digests (uint64) of every page of a set from its content sums (uint64, in set order):
+    `bind` of each sum at its own position."""
+    n = sums.size
+    if n > SMALL_SET:
+        return bind(sums, np.arange(n), layout_digest, set_id, n)
+    h = fold((layout_word(layout_digest), set_id, n))
+    return np.array([_step(_step(h, i), c) for i, c in enumerate(sums.tolist())],
+                    dtype=np.uint64)
 
 
 def manifest_digest(layout_digest: str, set_id: int, page_bytes: int, digests: np.ndarray,

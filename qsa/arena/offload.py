@@ -90,11 +90,11 @@ class StoredPages:
 
 
 def seal(layout_digest: str, layout_summary: str, page_bytes: int, data: torch.Tensor,
-         sums: torch.Tensor, source_blocks: Sequence[int]) -> StoredPages:
-    """A stored set from its bytes and the pages' content sums: a new set id, the page digests
-    bound to their positions, the manifest."""
+         sums: np.ndarray, source_blocks: Sequence[int]) -> StoredPages:
+    """A stored set from its bytes and the pages' content sums (uint64, in set order): a new
+    set id, the page digests bound to their positions, the manifest."""
     set_id = dg.new_set_id()
-    digests = dg.page_digests(sums.cpu(), layout_digest, set_id)
+    digests = dg.page_digests(sums, layout_digest, set_id)
     blocks = tuple(int(b) for b in source_blocks)
     return StoredPages(layout_digest, layout_summary, page_bytes, data, dg.as_int64(digests),
                        blocks, set_id, len(digests),
@@ -132,9 +132,9 @@ def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
     bytes of another position of the set (moved, duplicated), or bytes that match no page of
     this set (corrupt, or from another set)."""
     n = stored.count
-    sums = dg.content_sums(pages).cpu().numpy().view(np.uint64)
+    sums = dg.host_sums([dg.content_parts(pages)])
     want = dg.as_uint64(stored.digests)
-    got = dg.bind(sums, np.arange(n), stored.layout_digest, stored.set_id, n)
+    got = dg.page_digests(sums, stored.layout_digest, stored.set_id)
     bad = np.flatnonzero(got != want).tolist()
     if bad:
         i = bad[0]
@@ -173,6 +173,8 @@ def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int
     [5, 6, 7, 2, 3] -> [(5, 8, 0), (2, 4, 3)].
     """
     ids = np.asarray(blocks, dtype=np.int64)
+    if ids.size == 1:  # one page: the common small store, without the array passes
+        return [(int(ids[0]), int(ids[0]) + 1, 0)]
     starts = _run_starts(ids)
     ends = np.append(starts[1:], ids.size)
     return [(int(ids[s]), int(ids[e - 1]) + 1, int(s)) for s, e in zip(starts, ends)]
@@ -215,22 +217,20 @@ class PageOffload:
         p = self.layout.page_bytes
         host = torch.empty(ids.size * p, dtype=torch.uint8, pin_memory=self._pin)
         pages = self.arena.pages
-        if self._use_ranges(ids, strategy):
-            runs = block_ranges(ids)
+        runs = block_ranges(ids)
+        if self._use_ranges(runs, strategy):
             views = [pages[a:b] for a, b, _ in runs]
-            parts = [dg.content_sums(v) for v in views]
-            # One range (the common case) needs no `cat`: on the H200 its host time alone was
-            # 33-80 us per store (profiles/nvidia-h200/offload-speed/).
-            sums = parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts = [dg.content_parts(v) for v in views]
             for v, (a, b, at) in zip(views, runs):
                 host[at * p:(at + b - a) * p].view(b - a, p).copy_(v, non_blocking=self._pin)
         else:
             staged = pages.index_select(0, torch.from_numpy(ids).to(self.arena.device))
-            sums = dg.content_sums(staged)
+            parts = [dg.content_parts(staged)]
             host.view(ids.size, p).copy_(staged, non_blocking=self._pin)
-        # `seal` reads the sums back (blocking, after the copies in stream order): the data is
-        # in host memory when this returns.
-        return seal(self.layout.digest, self.layout.summary(), p, host, sums, ids.tolist())
+        # The sums are read back after the copies in stream order (blocking): the data is in
+        # host memory when this returns.
+        return seal(self.layout.digest, self.layout.summary(), p, host, dg.host_sums(parts),
+                    ids.tolist())
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -261,16 +261,17 @@ class PageOffload:
         staged = stored.data.view(n, p).to(self.arena.device, non_blocking=True)
         check_digests(stored, staged)
         pages = self.arena.pages
-        if self._use_ranges(ids, strategy):
-            for a, b, at in block_ranges(ids):
+        runs = block_ranges(ids)
+        if self._use_ranges(runs, strategy):
+            for a, b, at in runs:
                 pages[a:b].copy_(staged[at:at + b - a])
         else:
             pages.index_copy_(0, torch.from_numpy(ids).to(self.arena.device), staged)
         return self.arena.claim(ids)
 
     @staticmethod
-    def _use_ranges(ids: np.ndarray, strategy: str) -> bool:
-        return strategy == "ranges" or (strategy == "auto" and _run_starts(ids).size == 1)
+    def _use_ranges(runs: list[tuple[int, int, int]], strategy: str) -> bool:
+        return strategy == "ranges" or (strategy == "auto" and len(runs) == 1)
 
 
 def _check_strategy(strategy: str) -> str:

@@ -49,6 +49,13 @@ def _content_sum_kernel(words_ptr, out_ptr, words_per_page, n_chunks,
 
 def page_content_sums(pages: torch.Tensor) -> torch.Tensor:
     """int64 [n] content sums of pages [n, page_bytes] uint8 with contiguous rows."""
+    return page_partial_sums(pages).sum(dim=1)  # int64 sums wrap: the same as one sum mod 2^64
+
+
+def page_partial_sums(pages: torch.Tensor) -> torch.Tensor:
+    """int64 [n, chunks]: each page's content sum in parts (one per program), whose sum mod
+    2^64 is the page's. A caller that reads the sums on the host adds the parts there, which
+    saves a reduction launch (host time decides a small offload)."""
     if pages.dim() != 2 or pages.dtype != torch.uint8 or pages.stride(1) != 1 \
             or pages.shape[1] % 8:
         raise ValueError(f"pages: expected uint8 [n, page_bytes] with contiguous rows and "
@@ -61,4 +68,4 @@ def page_content_sums(pages: torch.Tensor) -> torch.Tensor:
     if n:
         _content_sum_kernel[(n, chunks)](words, partial, per_page, chunks, BLOCK=BLOCK_WORDS,
                                          num_warps=NUM_WARPS)
-    return partial.sum(dim=1)  # int64 sums wrap: the same as one sum mod 2^64
+    return partial
