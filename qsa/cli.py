@@ -341,12 +341,19 @@ def _candidates(text: Optional[str]) -> Optional[list[dict]]:
     """`--candidates`: a JSON list of config changes, given inline or as a file's path."""
     if text is None:
         return None
-    path = Path(text)
-    source = path.read_text() if not text.lstrip().startswith("[") and path.is_file() else text
+    where = "inline JSON"
+    source = text
+    if not text.lstrip().startswith(("[", "{")):  # not inline JSON: a file's path
+        where = f"file {text}"
+        try:
+            source = Path(text).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise typer.BadParameter(f"--candidates: {text!r} is neither inline JSON nor a "
+                                     f"readable file ({e})") from None
     try:
         value = json.loads(source)
     except json.JSONDecodeError as e:
-        raise typer.BadParameter(f"--candidates: not JSON ({e}), nor a file holding it") from None
+        raise typer.BadParameter(f"--candidates: {where} is not valid JSON ({e})") from None
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         raise typer.BadParameter("--candidates: expected a JSON list of objects such as "
                                  '{"meta": {"BLOCK_N": 64}, "num_warps": 8}')

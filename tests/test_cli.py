@@ -136,8 +136,14 @@ def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
                                   "--out", str(tmp_path / "store")])
         assert res.exit_code == 0, res.output
     assert seen == [changes, changes]
-    for bad, msg in (("[{", "not JSON"), ('{"num_warps": 8}', "expected a JSON list")):
+    path.with_name("bad.json").write_text("[{")
+    for bad, msg in (("[{", "inline JSON is not valid JSON"),
+                     ('{"num_warps": 8}', "expected a JSON list"),
+                     (str(path.with_name("bad.json")), "bad.json is not valid JSON"),
+                     (str(tmp_path / "missing.json"), "neither inline JSON nor a readable file"),
+                     ("x" * 300, "neither inline JSON nor a readable file")):
         res = runner.invoke(app, ["tune", "sparse_gqa_decode", "--candidates", bad])
-        assert res.exit_code != 0 and msg in res.output
+        text = " ".join(res.output.replace("│", " ").split())  # the error box wraps lines
+        assert res.exit_code != 0 and msg in text, text
     res = runner.invoke(app, ["tune", "--all", "--candidates", "[]"])
     assert res.exit_code != 0 and "one op's changes" in res.output

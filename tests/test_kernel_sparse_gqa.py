@@ -17,6 +17,7 @@ import torch
 
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig, get_config
+from qsa.kernels import sparse_gqa
 from qsa.kernels.common import KernelInputError, backend_and_arch
 from qsa.kernels.sparse_gqa import (MAX_SPLITS, choose_splits, sparse_gqa_decode,
                                     sparse_gqa_prefill, split_count, work)
@@ -101,10 +102,27 @@ def test_decode_matches_reference(kv_format: str, block_size: int, group: int,
     assert torch.equal(out[5], torch.zeros_like(out[5]))
 
 
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the merge kernel was launched")
+
+
+def test_merge_last_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", None)
+    sparse_gqa._check_merge_last(torch.device("cuda"))  # a CUDA build: allowed
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    sparse_gqa._check_merge_last(torch.device("cpu"))  # the interpreter: allowed
+    with pytest.raises(KernelInputError, match="NVIDIA-only"):
+        sparse_gqa._check_merge_last(torch.device("cuda"))
+
+
 @pytest.mark.interp_surrogate
 @pytest.mark.parametrize("splits", [2, 3])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_decode_last_split_merges(kv_format: str, splits: int) -> None:
+def test_decode_last_split_merges(kv_format: str, splits: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """MERGE_LAST: the split that finishes last for its (row, KV head) merges all of them, with
     no merge kernel; a row without ids (every split empty) still outputs zeros, and a second
     call on the same shapes merges again (its counters start from zero)."""
@@ -113,6 +131,7 @@ def test_decode_last_split_merges(kv_format: str, splits: int) -> None:
     ids[5] = -1
     ref = _reference(case, ids, kv_format)
     config = _entry_with(kv_format, ids.shape[0], MERGE_LAST=1, SLOTS=0)
+    monkeypatch.setattr(sparse_gqa, "_merge_kernel", _NoLaunch())  # the merge kernel stays off
     for _ in range(2):
         out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits, config=config)
         torch.testing.assert_close(out, ref, **_tol(ref))

@@ -249,6 +249,7 @@ def test_the_manifest_sees_order_and_membership():
     assert dg.manifest_digest("L", 3, 128, d, range(8)) != base
 
 
+@pytest.mark.on_gpu_too
 @pytest.mark.parametrize(("pages", "page_bytes"), [(1, 8), (3, 8 * 1023), (2, 8 * 2500)])
 def test_the_digest_kernel_matches_its_reference(pages, page_bytes):
     """The one-pass Triton kernel (GPU offloads use it) against the torch reference, on chunk

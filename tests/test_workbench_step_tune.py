@@ -114,6 +114,9 @@ def test_config_space_keeps_backends_apart():
     assert {(c.meta["SLOTS"], c.meta["MERGE_LAST"]) for c in space} == {(0, 0), (0, 1), (1, 0),
                                                                        (1, 1)}
     assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1}
+    hip = tune_mod.config_space("sparse_gqa_decode", flags, "hip", max_candidates=500)
+    assert {c.meta["MERGE_LAST"] for c in hip} == {0}  # NVIDIA-only switch
+    assert {c.meta["SLOTS"] for c in hip} == {0, 1}
 
 
 def test_tune_records_failures_and_refuses_interpreter_winners(monkeypatch, tmp_path):

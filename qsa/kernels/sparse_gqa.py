@@ -24,8 +24,10 @@ Design, and why:
   merged. The split count comes from the config or from the SM/CU count. Two ways to merge,
   chosen by the config key MERGE_LAST: a merge kernel (a second launch), or the split that
   finishes last for its (row, KV head) merges all of them itself (counted with one atomic per
-  split, on counters zeroed for each call), which saves the launch and its round trips where a
-  small batch is latency-bound.
+  split, on counters zeroed for each call: a small fill instead of the merge launch). The last
+  split reads the partials one after another, so it pays only with few splits
+  (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md). NVIDIA only: on gfx9 the
+  barrier before the releasing atomic does not wait for every wave's stores.
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
 """
 
@@ -57,7 +59,7 @@ MAX_SPLITS = 64
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
               "MERGE_WARPS", "SLOTS", "MERGE_LAST")
-_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT")
+_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS")
 
 
 def _attention_repr(spec) -> str:
@@ -105,8 +107,8 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
 def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
                       SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
     """Log-sum-exp merge of the SPLITS partials of one (row, KV head), run by the split that
-    arrived last. The partials were written by other programs: they are read past L1 (.cg),
-    after the acquiring atomic that counted them."""
+    arrived last. The partials were written by other programs: they are read after the
+    acquiring atomic that counted them, with .cg (past L1 on NVIDIA)."""
     s = tl.arange(0, SPLITS_P2)
     lse = tl.load(lse_ptr + part0[:, None] + s[None, :], mask=hmask[:, None] & (s < SPLITS)[None, :],
                   other=float("-inf"), cache_modifier=".cg")
@@ -404,6 +406,14 @@ def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
                  config, num_splits)[2]
 
 
+def _check_merge_last(device: torch.device) -> None:
+    """The merge by the last split is NVIDIA-only (module docstring): refused on ROCm."""
+    if device.type == "cuda" and torch.version.hip is not None:
+        raise KernelInputError("config: MERGE_LAST=1 is NVIDIA-only (on ROCm the barrier before "
+                               "the releasing atomic does not order every wave's stores); use "
+                               "MERGE_LAST=0")
+
+
 def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
             out: torch.Tensor | None, config: BlockConfig | None, num_splits: int | None,
@@ -438,13 +448,16 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
             num_warps=4)
     merge_last = split and bool(host.get("MERGE_LAST", 0))
+    if merge_last:
+        _check_merge_last(q.device)
     if split:
         po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = lse = out  # unread placeholders
-    # Arrival counters, one per (row, KV head), zeroed per call: a buffer kept across calls
-    # would be shared by launches on concurrent streams.
+    # Arrival counters, one per (row, KV head), zeroed per call (a fill launch, a graph node
+    # under capture): a buffer kept across calls would be shared by launches on concurrent
+    # streams.
     cnt = torch.zeros(units, dtype=torch.int32, device=q.device) if merge_last else ids
     _sparse_gqa_kernel[(units * num_splits,)](
         q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,

@@ -3,9 +3,10 @@ to the per-arch config tables with provenance.
 
 The search space is derived from the table's current entry, so no second hand-kept list of a
 kernel's constexprs exists: every integer meta-parameter is tried at half, same and double its
-value, switches (`SWITCH_KEYS`) at both values, with the launch options the backend accepts
-(NVIDIA rejects AMD keys; AMD adds `waves_per_eu`). Candidates that exceed shared memory or
-registers are pruned by Triton's own resource check at compile time (`OutOfResources`, before any launch); like every failing
+value, switches (`SWITCH_KEYS`, but not a CUDA-only one on ROCm) at both values, with the
+launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`).
+Candidates that exceed shared memory or registers are pruned by Triton's own resource check
+at compile time (`OutOfResources`, before any launch); like every failing
 candidate (compile error, wrong result) they are recorded with the reason and skipped.
 
 A winner is written only after a second opinion: small kernels read differently from one
@@ -34,7 +35,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import SWITCH_KEYS, BlockConfig, get_config, load_table, write_entry
+from qsa.configs import (CUDA_ONLY_SWITCHES, SWITCH_KEYS, BlockConfig, get_config,
+                         load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -46,7 +48,9 @@ STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
 
 
-def _neighbours(key: str, v: int) -> tuple[int, ...]:
+def _neighbours(key: str, v: int, backend: str) -> tuple[int, ...]:
+    if key in CUDA_ONLY_SWITCHES and backend == "hip":
+        return (v,)
     if key in SWITCH_KEYS:
         return (0, 1)
     return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
@@ -56,7 +60,7 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
                  ) -> list[BlockConfig]:
     """Candidates around `base`, the fewest changes first, the base itself first of all."""
     keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
-    axes = [_neighbours(k, base.meta[k]) for k in keys]
+    axes = [_neighbours(k, base.meta[k], backend) for k in keys]
     warps, stages = WARPS, STAGES.get(backend, (base.num_stages,))
     waves = WAVES_PER_EU if backend == "hip" else (None,)
     out = []
