@@ -16,14 +16,16 @@
 # # Block-config tuning: one kernel, one shape, its config space
 #
 # Pick a kernel and a shape; the tuner (`qsa.workbench.tune`) derives the candidates from the
-# config table's current entry (every integer meta-parameter at half, same and double, with the
-# warps/stages the backend takes, AMD's `waves_per_eu` on HIP), verifies each against the
+# config table's current entry (every integer meta-parameter at half, same and double, switches
+# such as sparse GQA's `SLOTS` both ways, with the warps/stages the backend takes, AMD's
+# `waves_per_eu` on HIP), verifies each against the
 # float32 reference and times the ones that pass. The heat map shows the best time over the
 # two knobs that vary most; the winner is boxed.
 #
-# **Trying one config:** set `config` to the changes you want against the current entry (JSON
-# text or a dict, e.g. `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`); the run then times just
-# that config and the current entry, side by side in one process.
+# **Trying one config, or a few:** set `config` to the changes you want against the current
+# entry (JSON text or a dict, e.g. `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`), or to a list
+# of them; the run then times just those and the current entry, side by side in one process
+# (`qsa tune OP --candidates` does the same from the command line).
 #
 # **Keeping the winner:** set `write_winner = True` on a GPU. The last cell writes the fastest
 # verified config into `qsa/configs/tables/<kernel>.json` at the table coordinate the kernel
@@ -45,7 +47,7 @@ index_format = "bf16"
 kv_format = "bf16"
 profile = "cpu-smoke"  # "cpu-smoke": tiny shape, few candidates; "gpu": a real decode shape
 max_candidates = None  # None: the profile's (cpu-smoke 4, gpu 48)
-config = None  # changes to try against the current entry (JSON or dict); None: the whole space
+config = None  # changes to try against the current entry (JSON, dict or list); None: all
 write_winner = False  # True: store the winner in the config table (GPU only)
 samples = None  # timing samples per candidate; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
@@ -77,7 +79,8 @@ shape = {k: (v if v is not None else PROFILES[profile][k]) for k, v in
          {"batch": batch, "context": context, "rows": rows}.items()}
 n_candidates = max_candidates or PROFILES[profile]["max_candidates"]
 samples = samples if samples is not None else PROFILES[profile]["samples"]
-tries = None if config is None else [json.loads(config) if isinstance(config, str) else config]
+given = json.loads(config) if isinstance(config, str) else config
+tries = None if given is None else (list(given) if isinstance(given, list) else [given])
 wb.banner(dev)
 print(op, shape, f"index {index_format}, kv {kv_format}, up to {n_candidates} candidates")
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs everything that needs a GPU: the GPU-marked tests (real bf16 / FP8 numerics at larger
-# shapes), the device ceilings, and the kernel benchmarks. Usage:
+# shapes), the device ceilings, the kernel benchmarks and, where compute-sanitizer is found,
+# the kernels under its memory checker. Usage:
 #   scripts/gpu_check.sh OUT_DIR [--quick]
 # Uses the python on PATH as it is (GPU hosts bring their own torch/triton builds); results land
 # in OUT_DIR and, through the results store, under profiles/<device>/.
@@ -39,4 +40,25 @@ for s in $suites; do
   step "suite_$s" python3 -m qsa.cli bench --suite "$s" --out profiles
 done
 step bench_offload python3 scripts/bench_offload.py --out "$out/bench_offload" $quick
+# Memory checker (full run only): every op of the smoke suite once, verified, no timing, and
+# the GPU tests of what a smoke shape does not reach (sparse GQA's slot pre-pass and merge by
+# the last split, the K/V store's exponent range), under compute-sanitizer memcheck when the
+# host has it.
+sanitizer="$(command -v compute-sanitizer || true)"
+for dir in "${CUDA_HOME:-}" /usr/local/cuda; do
+  [ -z "$sanitizer" ] && [ -n "$dir" ] && [ -x "$dir/bin/compute-sanitizer" ] \
+    && sanitizer="$dir/bin/compute-sanitizer"
+done
+if [ -n "$quick" ]; then
+  :
+elif [ -z "$sanitizer" ]; then
+  echo "=== memcheck: compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin): skipped"
+else
+  memcheck=("$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20)
+  step memcheck_smoke "${memcheck[@]}" python3 -m qsa.cli bench --suite smoke --verify-only \
+    --out "$out/memcheck_store"
+  step memcheck_tests "${memcheck[@]}" python3 -m pytest -m "gpu or on_gpu_too" -q \
+    -p no:cacheprovider tests/test_kernel_sparse_gqa.py tests/test_kernel_kv_quant.py \
+    -k "(test_gpu_decode and flash-next-8-) or exponent_range"
+fi
 exit $status

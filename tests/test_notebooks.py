@@ -223,13 +223,14 @@ def test_decode_notebook_on_gpu_times_with_graphs_and_rooflines(tmp_path: Path) 
                      .round(2).reset_index().to_dict("records")))
 
 
-def test_tuning_notebook_tries_one_config_against_the_current_entry(workdir: Path) -> None:
-    root = workdir / "one-config"
+def test_tuning_notebook_tries_given_configs_against_the_current_entry(workdir: Path) -> None:
+    root = workdir / "given-configs"
     nb = run("block_config_tuning", workdir, results_root=str(root),
-             config='{"num_warps": 2, "meta": {"BLOCK_N": 16}}')
+             config='[{"num_warps": 2, "meta": {"BLOCK_N": 16}}, {"num_warps": 8}]')
     df = load_runs(root, kind="config-tuning")
-    assert len(df) == 2 and df["is_current"].tolist() == [True, False]
+    assert len(df) == 3 and df["is_current"].tolist() == [True, False, False]
     assert '"num_warps": 2' in df["config"].iloc[1] and '"BLOCK_N": 16' in df["config"].iloc[1]
+    assert '"num_warps": 8' in df["config"].iloc[2]
     shown = "".join(str(o.get("data", {}).get("text/plain", "")) for c in nb.cells
                     for o in c.get("outputs", []))
     assert "beyond_noise" in shown and "table is unchanged" in outputs_text(nb)
