@@ -73,3 +73,23 @@ def test_each_target_compiles_in_its_own_process(tmp_path):
     assert list(dict.fromkeys(df["arch"])) == ["gfx950", "gfx942"]
     fp8 = df[(df["arch"] == "gfx942") & (df["fmt"] == "fp8")]
     assert len(fp8) == 2 and (fp8["status"] == "ok").all() and (fp8["registers"] > 0).all()
+
+
+def test_a_spill_fails_unless_the_tuner_timed_the_entry_on_that_arch():
+    """A spilling config nobody timed on the target is a failure; one the tuner timed there
+    (verified, against the entry it replaced) keeps its spill: the cost is in its time."""
+    from qsa.workbench import compile_check as cc
+
+    spilled = {"spill_bytes": 904, "shared_bytes": 1024}
+    timed = {"provenance": {"tuned": True, "arch": "sm90", "us": 225.8}}
+    assert cc._measured_on(timed, "sm90") and not cc._measured_on(timed, "gfx950")
+    for entry in ({"provenance": {"source": "hand-picked default", "tuned": False}},
+                  {"provenance": {"tuned": True, "arch": "sm90"}}, {}):  # no time: not measured
+        assert not cc._measured_on(entry, "sm90")
+    assert cc._status(spilled, "sm90", measured=True) == cc.SPILLS_MEASURED
+    assert cc.SPILLS_MEASURED in cc.PASSING
+    assert cc._status(spilled, "sm90", measured=False) == "spills"
+    assert "spills" not in cc.PASSING
+    over = {"spill_bytes": 0, "shared_bytes": cc.SHARED_LIMIT["gfx942"] + 1}
+    assert cc._status(over, "gfx942", measured=True) == "exceeds shared memory"
+    assert cc._status({"spill_bytes": 0, "shared_bytes": 0}, "sm90", measured=False) == "ok"
