@@ -6,8 +6,8 @@ kernel's constexprs exists: every integer meta-parameter is tried at half, same 
 value, switches (`SWITCH_KEYS`, but not a CUDA-only one on ROCm) at both values, with the
 launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`).
 Candidates that exceed shared memory or registers are pruned by Triton's own resource check
-at compile time (`OutOfResources`, before any launch); like every failing
-candidate (compile error, wrong result) they are recorded with the reason and skipped.
+at compile time (`OutOfResources`, before any launch); like every failing candidate (compile
+error, wrong result) they are recorded with the reason and skipped.
 
 A winner is written only after a second opinion: small kernels read differently from one
 process to the next by more than the candidates differ inside one, so a candidate that beat
