@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qsa.presets import DEFAULT_PRESET, get_preset
@@ -20,6 +21,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # one line per error, greppable
+
+
+def _problem(text: str) -> None:
+    """A refusal or failure on stdout, in red, on one line and verbatim: messages quote layouts
+    and configs in brackets, which rich would otherwise take for markup and drop."""
+    console.print(escape(text), style="red", soft_wrap=True, highlight=False)
+
+
 _OPTIONS = {"verbose": False}
 # Errors a user can cause and fix (a bad value, shape, format, config, file or page set): one
 # line naming the problem, exit 2. Anything else is a bug and keeps its traceback.
@@ -57,7 +66,7 @@ def main() -> None:
     except USER_ERRORS as e:
         if _OPTIONS["verbose"]:
             raise
-        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         err_console.print("(run with --verbose for the traceback)", style="dim")
         sys.exit(2)
 
@@ -217,7 +226,7 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
                               kv_format=fk, env=envd, selection=selection)
             except (VerificationError, ValueError, RuntimeError) as e:
                 failed += 1
-                console.print(f"[red]{o} b{b} c{c} r{r} {fi}/{fk}: {e}[/]")
+                _problem(f"{o} b{b} c{c} r{r} {fi}/{fk}: {e}")
                 continue
             run.add(rec)
             bw = rec.get("pct_bandwidth")
@@ -246,7 +255,7 @@ def _bench_suite(name: str, out: Path, verify_only: bool = False) -> None:
                                                   "index_format", "kv_format", "selection")
                         if rec.get(k) is not None and not (k == "kernel" and "op" in rec))
         if not rec.get("verified"):
-            console.print(f"[red]{what}: {rec.get('error')}[/]")
+            _problem(f"{what}: {rec.get('error')}")
         elif rec.get("us") is None and rec["record"] == "point":
             console.print(f"{what}: verified")
         elif rec["record"] == "step":
@@ -505,7 +514,7 @@ def offload_check(file: Optional[Path] = typer.Argument(
         try:
             r = verify_page_file(file, layout)
         except (OffloadError, OSError) as e:
-            console.print(f"[red]refused: {e}[/]")
+            _problem(f"refused: {e}")
             raise typer.Exit(1)
         console.print_json(json.dumps({"ok": True, **r}))
         return
@@ -570,7 +579,7 @@ def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/
         summary = run_sweep(spec, out, jobs=jobs, resume=resume, backend=backend,
                             address=address)
     except (SweepLocked, SweepError) as e:
-        console.print(f"[red]{e}[/]")
+        _problem(str(e))
         raise typer.Exit(2)
     except KeyboardInterrupt:  # run_sweep recorded `interrupted` and printed how to resume
         raise typer.Exit(130)

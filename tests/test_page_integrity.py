@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 
 import numpy as np
@@ -238,6 +239,8 @@ def test_offload_check_cli_saves_and_verifies_a_page_file(tmp_path):
     res = runner.invoke(app, ["offload-check", str(path), "--expect-layout", "--kv-format",
                               "bf16"])
     assert res.exit_code == 1 and "layout mismatch" in res.output
+    # both layouts are named in full, on one line (brackets are not taken for markup)
+    assert re.search(r"written under \[[^\]\n]+\], expected \[[^\]\n]+\]", res.output), res.output
 
 
 def test_the_manifest_sees_order_and_membership():
