@@ -59,6 +59,6 @@ else
     --out "$out/memcheck_store"
   step memcheck_tests "${memcheck[@]}" python3 -m pytest -m "gpu or on_gpu_too" -q \
     -p no:cacheprovider tests/test_kernel_sparse_gqa.py tests/test_kernel_kv_quant.py \
-    -k "(test_gpu_decode and flash-next-8-) or exponent_range"
+    -k "(test_gpu_decode and flash-next-8-) or test_gpu_decode_pdl or exponent_range"
 fi
 exit $status

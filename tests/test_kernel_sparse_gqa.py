@@ -17,7 +17,7 @@ import torch
 
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig, get_config
-from qsa.kernels import sparse_gqa
+from qsa.kernels import common, sparse_gqa
 from qsa.kernels.common import KernelInputError, backend_and_arch
 from qsa.kernels.sparse_gqa import (MAX_SPLITS, choose_splits, sparse_gqa_decode,
                                     sparse_gqa_prefill, split_count, work)
@@ -53,7 +53,8 @@ def _case(kv_format: str, group: int, block_size: int, shape: tuple, seed: int =
 
 def _entry_with(kv_format: str, rows: int, **meta: int) -> BlockConfig:
     """This device's table entry with config keys switched: SLOTS (the id -> slot pre-pass),
-    MERGE_LAST (the last split merges instead of the merge kernel)."""
+    MERGE_LAST (the last split merges instead of the merge kernel), PV_HALVES (the PV product
+    by head-dim halves)."""
     entry = get_config("sparse_gqa_decode", backend_and_arch()[1], kv_format, rows)
     return entry.config.with_meta(**meta)
 
@@ -136,6 +137,36 @@ def test_decode_last_split_merges(kv_format: str, splits: int,
         out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits, config=config)
         torch.testing.assert_close(out, ref, **_tol(ref))
         assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_decode_pv_halves(kv_format: str, splits: int) -> None:
+    """PV_HALVES: the PV product over each half of the head dim in turn (two accumulators
+    joined at the end) gives the reference's output, with the halves in their places."""
+    case, ids = _case(kv_format, 12, 16, DECODE)
+    ids = ids.clone()
+    ids[5] = -1
+    ref = _reference(case, ids, kv_format)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+               config=_entry_with(kv_format, ids.shape[0], PV_HALVES=1))
+    torch.testing.assert_close(out, ref, **_tol(ref))
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+def test_pdl_is_refused_without_programmatic_dependent_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL=1 runs on NVIDIA sm90+ only; elsewhere on a GPU it is refused by name, and the
+    interpreter (grids run one after another anyway) runs the kernels without it."""
+    assert not sparse_gqa._use_pdl({"PDL": 0})
+    assert not sparse_gqa._use_pdl({"PDL": 1})  # this process: the interpreter or no GPU
+    monkeypatch.setattr(common, "backend_and_arch", lambda: ("cuda", "sm90"))
+    assert sparse_gqa._use_pdl({"PDL": 1}) and not sparse_gqa._use_pdl({"PDL": 0})
+    for target in (("cuda", "sm80"), ("hip", "gfx950")):
+        monkeypatch.setattr(common, "backend_and_arch", lambda t=target: t)
+        with pytest.raises(KernelInputError, match="PDL=1 needs programmatic dependent launch"):
+            sparse_gqa._use_pdl({"PDL": 1})
 
 
 @pytest.mark.interp_surrogate
@@ -359,6 +390,52 @@ def test_gpu_decode(kv_format: str, block_size: int, preset_name: str,
     out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
                config=_entry_with(kv_format, ids.shape[0], SLOTS=slots, MERGE_LAST=merge_last))
     torch.testing.assert_close(out, ref, **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 8])
+@pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode_pv_halves(kv_format: str, block_size: int, preset_name: str,
+                              splits: int | None) -> None:
+    case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
+    ids = ids.clone()
+    ids[-1] = -1
+    ref = _reference(case, ids, kv_format)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+               config=_entry_with(kv_format, ids.shape[0], SLOTS=1, PV_HALVES=1))
+    torch.testing.assert_close(out, ref, **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [0, 1])
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int) -> None:
+    """Programmatic dependent launch (PDL=1) of the pre-pass, attention and merge grids, each
+    waiting for the previous grid before touching memory: the output is the reference's, also
+    when the call is captured in a CUDA graph and replayed."""
+    case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_DECODE)
+    ref = _reference(case, ids, kv_format)
+    config = _entry_with(kv_format, ids.shape[0], SLOTS=slots, PDL=1)
+    torch.testing.assert_close(_run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+                                    config=config), ref, **_tol(ref))
+    q, cache = surrogate(case.q), surrogate_cache(case.cache)
+    out = torch.empty(tuple(case.q.shape), dtype=OUT_DTYPE, device=DEVICE)
+
+    def call() -> None:
+        sparse_gqa_decode(q, cache, case.batch, ids, case.preset, kv_format, out=out,
+                          config=config, num_splits=splits, check=False)
+
+    call()  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref, **_tol(ref))
 
 
 @pytest.mark.gpu

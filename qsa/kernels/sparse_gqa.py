@@ -28,6 +28,16 @@ Design, and why:
   split reads the partials one after another, so it pays only with few splits
   (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md). NVIDIA only: on gfx9 the
   barrier before the releasing atomic does not wait for every wave's stores.
+* PV_HALVES=1 runs the PV product over each half of the head dim in turn (two accumulators,
+  joined at the end). For FP8 tiles the fp16 staging copy of V that the transposing ldmatrix
+  reads then covers half the columns: at BLOCK_N 128 and 2 stages the program needs 109 KiB of
+  shared memory instead of 141 KiB, so two programs fit on an sm90 SM instead of one (the FP8
+  kernel was bound by instruction issue with one warp per scheduler;
+  profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md section 5).
+* PDL=1 (NVIDIA sm90+) launches the pre-pass, attention and merge grids with programmatic
+  dependent launch: each grid lets the next one launch at its start, and waits for the previous
+  one before it touches memory, so a grid's launch and scheduling overlap the previous grid's
+  run. At batch 1 and 8 the launches are a large part of the call.
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
 """
 
@@ -37,9 +47,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format
+from qsa.kernels import common
 from qsa.kernels.common import (KernelInputError, kernel_repr, kv_code_planes,
                                 kv_scale_planes, lookup, require, require_dtype,
                                 require_inner_contiguous, storage_dtypes, unit_count)
@@ -58,14 +70,26 @@ MAX_M = 128
 MAX_SPLITS = 64
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS", "SLOTS", "MERGE_LAST")
-_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS")
+              "MERGE_WARPS", "SLOTS", "MERGE_LAST", "PDL")
+_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS", "PV_HALVES",
+              "PDL")
 
 
 def _attention_repr(spec) -> str:
     """One kernel serves both phases; the name says which, so profiler rows tell them apart."""
     name = KERNEL_PREFILL if spec.constants.get("PREFILL") else KERNEL_DECODE
     return kernel_repr(name, _REPR_KEYS)(spec)
+
+
+@triton.jit
+def _follow_previous_grid():
+    """Programmatic dependent launch (sm90+, config key PDL): this grid may be launched while
+    the previous one in the stream still runs. Let the next grid launch early too, then wait
+    until the previous grid has finished and its writes are visible, before any global read
+    or write: inputs and reused allocations are then as safe as in plain stream order, and
+    what overlaps is only the launch and scheduling of the grid."""
+    gdc_launch_dependents()
+    gdc_wait()
 
 
 @triton.jit
@@ -104,6 +128,29 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _pv_accumulate(acc, pw, v, alpha, r, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DV: tl.constexpr):
+    """acc * alpha + P V over one tile's V columns: FP8 codes through fp16 with the row
+    normaliser r undone on the product, BF16 accumulated in the MMA."""
+    if FP8:
+        acc = acc * alpha[:, None] + tl.dot(pw, _fp16_operand(v, BLOCK_N, DV)) * r[:, None]
+    else:
+        acc = tl.dot(pw, v, acc * alpha[:, None])
+    return acc
+
+
+@triton.jit
+def _split_weights(lse, AXIS: tl.constexpr):
+    """Log-sum-exp merge weights of split partials along AXIS, relative to the largest, and
+    their sum. A split with no token has lse -inf and weight 0; when no split has one, every
+    weight is 0 (not NaN) and so is the sum."""
+    top = tl.max(lse, axis=AXIS)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    w = tl.exp2(lse - tl.expand_dims(top, AXIS))
+    return w, tl.sum(w, axis=AXIS)
+
+
+@triton.jit
 def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
                       SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
     """Log-sum-exp merge of the SPLITS partials of one (row, KV head), run by the split that
@@ -112,10 +159,7 @@ def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
     s = tl.arange(0, SPLITS_P2)
     lse = tl.load(lse_ptr + part0[:, None] + s[None, :], mask=hmask[:, None] & (s < SPLITS)[None, :],
                   other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, axis=1)
-    top = tl.where(top > float("-inf"), top, 0.0)  # no split has a token: every weight is 0
-    w = tl.exp2(lse - top[:, None])  # a split with no token has lse -inf, weight 0
-    den = tl.sum(w, axis=1)
+    w, den = _split_weights(lse, 1)
     acc = tl.zeros([w.shape[0], D], tl.float32)
     for j in range(SPLITS):
         o = tl.load(po_ptr + (part0 + j)[:, None] * D + d[None, :], mask=hmask[:, None],
@@ -136,7 +180,10 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
                        SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
                        FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr,
                        SLOTS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-                       MERGE_SPLITS_P2: tl.constexpr):
+                       MERGE_SPLITS_P2: tl.constexpr, PV_HALVES: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:
+        _follow_previous_grid()
     pid = tl.program_id(0)
     split = pid % num_splits
     unit = pid // num_splits
@@ -167,7 +214,11 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     # -1e30, not -inf: a tile with no valid token then gives alpha = 1 and p = 0, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    DV: tl.constexpr = D // 2 if PV_HALVES else D
+    dv = tl.arange(0, DV)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    if PV_HALVES:
+        acc_hi = tl.zeros([BLOCK_M, DV], tl.float32)
     head_off = head * D
     # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
     # under numpy >= 2.4, and whole blocks per split make it exact anyway.
@@ -196,20 +247,25 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk64 * stride_vb + kv_off)[:, None] + d[None, :],
-                    mask=valid[:, None], other=0.0)
+        v_rows = v_ptr + (blk64 * stride_vb + kv_off)[:, None]
+        v = tl.load(v_rows + dv[None, :], mask=valid[:, None], other=0.0)
         if FP8:
             vsc = tl.load(vs_ptr + blk64 * stride_vsb + tok + head, mask=valid, other=0.0)
             pv = p * vsc[None, :]
             r = tl.max(pv, axis=1)
             r = tl.where(r > 0.0, r, 1.0)
-            pv = (pv * (1.0 / r)[:, None]).to(tl.float16)
-            acc = (acc * alpha[:, None]
-                   + tl.dot(pv, _fp16_operand(v, BLOCK_N, D)) * r[:, None])
+            pw = (pv * (1.0 / r)[:, None]).to(tl.float16)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            r = alpha  # unused by the BF16 product
+            pw = p.to(v.dtype)
+        acc = _pv_accumulate(acc, pw, v, alpha, r, FP8, BLOCK_N, DV)
+        if PV_HALVES:
+            v = tl.load(v_rows + DV + dv[None, :], mask=valid[:, None], other=0.0)
+            acc_hi = _pv_accumulate(acc_hi, pw, v, alpha, r, FP8, BLOCK_N, DV)
         m_i = m_new
 
+    if PV_HALVES:
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), (0, 2, 1)), (BLOCK_M, D))
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     hmask = m_offs < G
@@ -229,20 +285,19 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
-@triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D"]))
+@triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D", "PDL"]))
 def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of the split partials of one (row, query head) and a D slice."""
+    if PDL:
+        _follow_previous_grid()
     rh = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = s < num_splits
     lse = tl.load(lse_ptr + rh * num_splits + s, mask=live, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # no split has a token: every weight is 0
-    w = tl.exp2(lse - top)  # a split with no token has lse -inf, weight 0
-    den = tl.sum(w, axis=0)
+    w, den = _split_weights(lse, 0)
     o = tl.load(po_ptr + (rh * num_splits + s)[:, None] * D + d[None, :], mask=live[:, None],
                 other=0.0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
@@ -254,9 +309,11 @@ def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
 @triton.jit
 def _slots_kernel(ids_ptr, bt_ptr, ctx_ptr, qs_ptr, slots_ptr, batch, num_blocks, max_pages,
                   width, stride_ir, stride_bt, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                  BATCH_P2: tl.constexpr):
+                  BATCH_P2: tl.constexpr, PDL: tl.constexpr):
     """Token ids of one row -> cache slots (block * PAGE + offset), -1 where the id is padding,
     outside the request's context or its page is outside the pool."""
+    if PDL:
+        _follow_previous_grid()
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     req = _row_request(qs_ptr, row, batch, BATCH_P2)
@@ -414,6 +471,21 @@ def _check_merge_last(device: torch.device) -> None:
                                "MERGE_LAST=0")
 
 
+def _use_pdl(host: dict[str, int]) -> bool:
+    """Whether the launches use programmatic dependent launch (config key PDL=1): NVIDIA sm90
+    and newer (griddepcontrol); refused on ROCm and older NVIDIA GPUs. The interpreter runs
+    grids one after another whatever the key says, so there it is off."""
+    if not host.get("PDL", 0):
+        return False
+    backend, arch = common.backend_and_arch()
+    if backend == "interpreter":
+        return False
+    if backend != "cuda" or not arch.startswith("sm") or int(arch[2:]) < 90:
+        raise KernelInputError(f"config: PDL=1 needs programmatic dependent launch (NVIDIA "
+                               f"sm90 or newer); this device is {backend} {arch}: use PDL=0")
+    return True
+
+
 def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
             out: torch.Tensor | None, config: BlockConfig | None, num_splits: int | None,
@@ -439,6 +511,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     split = num_splits > 1
     bp2 = max(64, triton.next_power_of_2(batch.batch))  # one variant for batch <= 64
     slots = bool(host.get("SLOTS", 0))
+    pdl = _use_pdl(host)
+    pdl_kw = {"launch_pdl": True} if pdl else {}
     ids = token_ids
     if slots:
         ids = torch.empty((rows, width), dtype=torch.int32, device=q.device)
@@ -446,7 +520,7 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             token_ids, batch.block_table, batch.context_lens, batch.query_start, ids,
             batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
-            num_warps=4)
+            PDL=pdl, num_warps=4, **pdl_kw)
     merge_last = split and bool(host.get("MERGE_LAST", 0))
     if merge_last:
         _check_merge_last(q.device)
@@ -470,13 +544,14 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
         PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
         BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
         MERGE_SPLITS=num_splits if merge_last else 0,
-        MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, **kw)
+        MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, PDL=pdl,
+        **kw, **pdl_kw)
     if split and not merge_last:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](
             po, lse, out, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=host.get("MERGE_WARPS", kw["num_warps"]))
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
+            num_warps=host.get("MERGE_WARPS", kw["num_warps"]), **pdl_kw)
     return out
 
 
