@@ -583,7 +583,7 @@ def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/
         raise typer.Exit(2)
     except KeyboardInterrupt:  # run_sweep recorded `interrupted` and printed how to resume
         raise typer.Exit(130)
-    console.print(str(summary))
+    console.print(str(summary), markup=False, highlight=False)
     raise typer.Exit(0 if summary.ok else 1)
 
 
@@ -639,9 +639,10 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     from qsa.workbench.plots import comparison_chart
 
     cmp, diff = compare_runs(a, b, keys=_strs(keys) if keys else None)
-    console.print(cmp.summary())
+    console.print(cmp.summary(), markup=False, highlight=False)
     if diff:
-        console.print(f"what differs: {json.dumps(diff, default=str)}")
+        console.print(f"what differs: {json.dumps(diff, default=str)}", markup=False,
+                      highlight=False)
     shown = cmp.table[cmp.table["verdict"] != "same"]
     if len(shown):
         varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1]
@@ -673,7 +674,8 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
         console.print("[yellow]No GPU: running the CPU smoke sweep under the Triton interpreter. "
                       "This is a functional run; its times mean nothing.[/]")
     summary = run_sweep(spec, out)
-    console.print(str(summary))  # where the executed notebooks, results and figures are
+    # where the executed notebooks, results and figures are
+    console.print(str(summary), markup=False, highlight=False)
     raise typer.Exit(0 if summary.ok else 1)
 
 

@@ -147,3 +147,21 @@ def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
         assert res.exit_code != 0 and msg in text, text
     res = runner.invoke(app, ["tune", "--all", "--candidates", "[]"])
     assert res.exit_code != 0 and "one op's changes" in res.output
+
+
+def test_sweep_summary_prints_bracketed_errors_verbatim(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """A failed point's error quotes shapes in brackets ("expected [blocks, 16, 8, 128]"); the
+    summary must show them, not take them for markup."""
+    import qsa.workbench.sweep as sweep_mod
+
+    class Summary:
+        ok = False
+
+        def __str__(self) -> str:
+            return "  FAILED value=1: KernelInputError: expected [blocks, 16, 8, 128], got [3]"
+
+    monkeypatch.setattr(sweep_mod, "run_sweep", lambda *a, **k: Summary())
+    res = CliRunner().invoke(app, ["sweep", str(tmp_path / "spec.yaml")])
+    assert res.exit_code == 1
+    assert "expected [blocks, 16, 8, 128], got [3]" in res.output, res.output

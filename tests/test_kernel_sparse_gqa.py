@@ -153,14 +153,18 @@ def test_decode_pv_halves(kv_format: str, splits: int) -> None:
                config=_entry_with(kv_format, ids.shape[0], PV_HALVES=1))
     torch.testing.assert_close(out, ref, **_tol(ref))
     assert torch.equal(out[5], torch.zeros_like(out[5]))
+    # a config written before the switch existed runs without it
+    old = BlockConfig({"BLOCK_N": 16}, num_warps=4, num_stages=1)
+    torch.testing.assert_close(_run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+                                    config=old), ref, **_tol(ref))
 
 
 def test_pdl_is_refused_without_programmatic_dependent_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """PDL=1 runs on NVIDIA sm90+ only; elsewhere on a GPU it is refused by name, and the
     interpreter (grids run one after another anyway) runs the kernels without it."""
-    assert not sparse_gqa._use_pdl({"PDL": 0})
-    assert not sparse_gqa._use_pdl({"PDL": 1})  # this process: the interpreter or no GPU
+    monkeypatch.setattr(common, "backend_and_arch", lambda: ("interpreter", "default"))
+    assert not sparse_gqa._use_pdl({"PDL": 0}) and not sparse_gqa._use_pdl({"PDL": 1})
     monkeypatch.setattr(common, "backend_and_arch", lambda: ("cuda", "sm90"))
     assert sparse_gqa._use_pdl({"PDL": 1}) and not sparse_gqa._use_pdl({"PDL": 0})
     for target in (("cuda", "sm80"), ("hip", "gfx950")):
@@ -409,16 +413,20 @@ def test_gpu_decode_pv_halves(kv_format: str, block_size: int, preset_name: str,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_last", [0, 1])
 @pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int) -> None:
+def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int, merge_last: int) -> None:
     """Programmatic dependent launch (PDL=1) of the pre-pass, attention and merge grids, each
-    waiting for the previous grid before touching memory: the output is the reference's, also
-    when the call is captured in a CUDA graph and replayed."""
+    waiting for the previous grid before touching memory (with the merge by the last split, the
+    counters' fill sits between the pre-pass and the attention grid): the output is the
+    reference's, also when the call is captured in a CUDA graph and replayed."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs NVIDIA sm90 or newer")
     case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_DECODE)
     ref = _reference(case, ids, kv_format)
-    config = _entry_with(kv_format, ids.shape[0], SLOTS=slots, PDL=1)
+    config = _entry_with(kv_format, ids.shape[0], SLOTS=slots, PDL=1, MERGE_LAST=merge_last)
     torch.testing.assert_close(_run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
                                     config=config), ref, **_tol(ref))
     q, cache = surrogate(case.q), surrogate_cache(case.cache)

@@ -117,6 +117,13 @@ def test_config_space_keeps_backends_apart():
     hip = tune_mod.config_space("sparse_gqa_decode", flags, "hip", max_candidates=500)
     assert {c.meta["MERGE_LAST"] for c in hip} == {0}  # NVIDIA-only switch
     assert {c.meta["SLOTS"] for c in hip} == {0, 1}
+    # programmatic dependent launch: tried on sm90 and newer only
+    pdl = flags.with_meta(PDL=0)
+    for backend, arch, tried in (("cuda", "sm90", {0, 1}), ("cuda", "sm100", {0, 1}),
+                                 ("cuda", "sm80", {0}), ("hip", "gfx950", {0}),
+                                 ("interpreter", "default", {0})):
+        space = tune_mod.config_space("sparse_gqa_decode", pdl, backend, 500, arch)
+        assert {c.meta["PDL"] for c in space} == tried, (backend, arch)
 
 
 def test_tune_records_failures_and_refuses_interpreter_winners(monkeypatch, tmp_path):

@@ -26,9 +26,12 @@ AMD_ONLY_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 SWITCH_KEYS = ("SLOTS", "MERGE_LAST", "PV_HALVES", "PDL")
 # Switches with a NVIDIA-only implementation, refused on ROCm: the merge by the last split relies
 # on a barrier plus one thread's release ordering every thread's stores, which gfx9's code
-# generation does not give (each wave's stores are not waited for before the barrier);
-# programmatic dependent launch (PDL) is an sm90+ launch attribute.
-CUDA_ONLY_SWITCHES = ("MERGE_LAST", "PDL")
+# generation does not give (each wave's stores are not waited for before the barrier).
+CUDA_ONLY_SWITCHES = ("MERGE_LAST",)
+# Switches that need NVIDIA sm90 or newer: programmatic dependent launch (an sm90 launch
+# attribute), refused on older GPUs and on ROCm, and off on the interpreter, where grids run
+# one after another anyway. The tuner holds them everywhere else.
+SM90_SWITCHES = ("PDL",)
 
 
 class ConfigError(ValueError):

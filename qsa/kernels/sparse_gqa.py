@@ -37,7 +37,9 @@ Design, and why:
 * PDL=1 (NVIDIA sm90+) launches the pre-pass, attention and merge grids with programmatic
   dependent launch: each grid lets the next one launch at its start, and waits for the previous
   one before it touches memory, so a grid's launch and scheduling overlap the previous grid's
-  run. At batch 1 and 8 the launches are a large part of the call.
+  run. On the H200 it moved batch 1 and 8 calls by -3% to +6%, about the noise
+  (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md): the launch gap is a small part
+  of them.
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
 """
 
@@ -47,7 +49,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton build without the NVIDIA extras: PDL is refused there anyway
+    gdc_launch_dependents = gdc_wait = None
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format
@@ -436,6 +441,7 @@ def _plan(kernel: str, kv_format: str, rows: int, hkv: int, width: int, device: 
     """Launch keywords, host-side config keys, splits and token blocks per split."""
     _, kw = lookup(kernel, kv_format, rows, config)
     host = {key: kw.pop(key) for key in _HOST_KEYS if key in kw}
+    kw.setdefault("PV_HALVES", 0)  # a config written before the switch existed
     block_n = kw.get("BLOCK_N", 0)
     require(block_n >= 16 and block_n & (block_n - 1) == 0,
             f"config: BLOCK_N {block_n} must be a power of two >= 16")

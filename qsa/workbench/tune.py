@@ -3,7 +3,8 @@ to the per-arch config tables with provenance.
 
 The search space is derived from the table's current entry, so no second hand-kept list of a
 kernel's constexprs exists: every integer meta-parameter is tried at half, same and double its
-value, switches (`SWITCH_KEYS`, but not a CUDA-only one on ROCm) at both values, with the
+value, switches (`SWITCH_KEYS`, but not a CUDA-only one on ROCm nor an sm90 one where the
+device lacks it) at both values, with the
 launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`).
 Candidates that exceed shared memory or registers are pruned by Triton's own resource check
 at compile time (`OutOfResources`, before any launch); like every failing candidate (compile
@@ -35,8 +36,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import (CUDA_ONLY_SWITCHES, SWITCH_KEYS, BlockConfig, get_config,
-                         load_table, write_entry)
+from qsa.configs import (CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
+                         get_config, load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -48,19 +49,23 @@ STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
 
 
-def _neighbours(key: str, v: int, backend: str) -> tuple[int, ...]:
+def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
     if key in CUDA_ONLY_SWITCHES and backend == "hip":
+        return (v,)
+    if key in SM90_SWITCHES and not (backend == "cuda" and arch.startswith("sm")
+                                     and int(arch[2:]) >= 90):
         return (v,)
     if key in SWITCH_KEYS:
         return (0, 1)
     return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
 
 
-def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48
-                 ) -> list[BlockConfig]:
-    """Candidates around `base`, the fewest changes first, the base itself first of all."""
+def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48,
+                 arch: str = "") -> list[BlockConfig]:
+    """Candidates around `base`, the fewest changes first, the base itself first of all.
+    `arch` ("sm90", "gfx950", ...) decides which switches the device can take."""
     keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
-    axes = [_neighbours(k, base.meta[k], backend) for k in keys]
+    axes = [_neighbours(k, base.meta[k], backend, arch) for k in keys]
     warps, stages = WARPS, STAGES.get(backend, (base.num_stages,))
     waves = WAVES_PER_EU if backend == "hip" else (None,)
     out = []
@@ -129,7 +134,7 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
     coord = coord or config_coordinate(prep)  # where the kernel itself looks its entry up
     current = get_config(coord.kernel, arch, coord.fmt, coord.size)
     if candidates is None:
-        space = config_space(op, current.config, backend, max_candidates)
+        space = config_space(op, current.config, backend, max_candidates, arch)
     else:
         tried = {json.dumps(c.as_dict(), sort_keys=True): c
                  for c in (with_changes(current.config, ch) for ch in candidates)}
