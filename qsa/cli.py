@@ -23,10 +23,15 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # one line per error, greppable
 
 
+def _verbatim(text: str, style: str | None = None) -> None:
+    """Text on stdout as it is, on one line: messages and summaries quote layouts, configs and
+    shapes in brackets, which rich would otherwise take for markup and drop."""
+    console.print(escape(text), style=style, soft_wrap=True, highlight=False)
+
+
 def _problem(text: str) -> None:
-    """A refusal or failure on stdout, in red, on one line and verbatim: messages quote layouts
-    and configs in brackets, which rich would otherwise take for markup and drop."""
-    console.print(escape(text), style="red", soft_wrap=True, highlight=False)
+    """A refusal or failure, in red."""
+    _verbatim(text, "red")
 
 
 _OPTIONS = {"verbose": False}
@@ -583,7 +588,7 @@ def sweep(spec: Path = typer.Argument(..., help="sweep spec (YAML), e.g. sweeps/
         raise typer.Exit(2)
     except KeyboardInterrupt:  # run_sweep recorded `interrupted` and printed how to resume
         raise typer.Exit(130)
-    console.print(str(summary), markup=False, highlight=False)
+    _verbatim(str(summary))
     raise typer.Exit(0 if summary.ok else 1)
 
 
@@ -639,10 +644,9 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     from qsa.workbench.plots import comparison_chart
 
     cmp, diff = compare_runs(a, b, keys=_strs(keys) if keys else None)
-    console.print(cmp.summary(), markup=False, highlight=False)
+    _verbatim(cmp.summary())
     if diff:
-        console.print(f"what differs: {json.dumps(diff, default=str)}", markup=False,
-                      highlight=False)
+        _verbatim(f"what differs: {json.dumps(diff, default=str)}")
     shown = cmp.table[cmp.table["verdict"] != "same"]
     if len(shown):
         varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1]
@@ -674,8 +678,7 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
         console.print("[yellow]No GPU: running the CPU smoke sweep under the Triton interpreter. "
                       "This is a functional run; its times mean nothing.[/]")
     summary = run_sweep(spec, out)
-    # where the executed notebooks, results and figures are
-    console.print(str(summary), markup=False, highlight=False)
+    _verbatim(str(summary))  # where the executed notebooks, results and figures are
     raise typer.Exit(0 if summary.ok else 1)
 
 

@@ -38,6 +38,18 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str = DEVICE) -
     return poison_(torch.empty(shape, dtype=dtype, device=device))
 
 
+def replay_captured(call, out: torch.Tensor) -> None:
+    """Run `call` once (compiles it), capture it in a CUDA graph, poison `out` (which `call`
+    writes) and replay the graph: `out` then holds only what the replay wrote."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def tiny_preset():
     """A preset small enough for the interpreter: 2 KV heads, GQA group 2, head dim 64,
     index dim 64, 16-token pages, top-8 groups, 2 QSA layers."""

@@ -25,7 +25,7 @@ from qsa.kernels.score_stacked import _score_stacked_kernel, score_stacked
 from qsa.presets import get_preset
 from qsa.reference.score import score_reference, visible_groups
 from qsa.reference.topk import select_reference
-from support import DEVICE, INTERPRETING, poisoned, surrogate
+from support import DEVICE, INTERPRETING, poisoned, replay_captured, surrogate
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 KERNELS = {"rowwise": score_rowwise, "stacked": score_stacked, "prefill": score_prefill}
@@ -439,14 +439,8 @@ def test_gpu_stacked_graph_capture():
     cache, q = index_cache(case.cache), case.q_index.to(torch.bfloat16)
     out = torch.empty(case.batch.num_rows, 2048, device="cuda")
     eager = score_stacked(cache, case.batch, q, case.preset, "mxfp4").clone()
-    graph = torch.cuda.CUDAGraph()
-    score_stacked(cache, case.batch, q, case.preset, "mxfp4", out=out, max_rows_per_request=4)
-    with torch.cuda.graph(graph):
-        score_stacked(cache, case.batch, q, case.preset, "mxfp4", out=out,
-                      max_rows_per_request=4)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_captured(lambda: score_stacked(cache, case.batch, q, case.preset, "mxfp4", out=out,
+                                          max_rows_per_request=4), out)
     assert torch.equal(out, eager)
 
 

@@ -26,7 +26,8 @@ from qsa.presets import get_preset
 from qsa.reference.attention import gather_kv, sparse_gqa_reference
 from qsa.reference.score import score_reference
 from qsa.reference.topk import topk_expand_reference
-from support import DEVICE, INTERPRETING, poisoned, surrogate, surrogate_cache
+from support import (DEVICE, INTERPRETING, poisoned, replay_captured, surrogate,
+                     surrogate_cache)
 
 # Decode-like batch: ragged contexts, a request of 3 tokens (rows with 2 and 3 ids), 1-4 rows.
 DECODE = ((70, 3, 130, 40), (4, 2, 1, 3))
@@ -436,13 +437,7 @@ def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int, merge_last: int
         sparse_gqa_decode(q, cache, case.batch, ids, case.preset, kv_format, out=out,
                           config=config, num_splits=splits, check=False)
 
-    call()  # compiled before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_captured(call, out)
     torch.testing.assert_close(out.float(), ref, **_tol(ref))
 
 

@@ -36,6 +36,11 @@ def backend_and_arch() -> tuple[str, str]:
     return target.backend, f"sm{target.arch}"
 
 
+def has_dependent_launch(backend: str, arch: str) -> bool:
+    """Whether the device takes programmatic dependent launch: NVIDIA sm90 and newer."""
+    return backend == "cuda" and arch.startswith("sm") and int(arch[2:]) >= 90
+
+
 @dataclass(frozen=True)
 class Lookup:
     """One config resolution of a kernel call: the table coordinate the kernel asked for

@@ -486,7 +486,7 @@ def _use_pdl(host: dict[str, int]) -> bool:
     backend, arch = common.backend_and_arch()
     if backend == "interpreter":
         return False
-    if backend != "cuda" or not arch.startswith("sm") or int(arch[2:]) < 90:
+    if not common.has_dependent_launch(backend, arch):
         raise KernelInputError(f"config: PDL=1 needs programmatic dependent launch (NVIDIA "
                                f"sm90 or newer); this device is {backend} {arch}: use PDL=0")
     return True

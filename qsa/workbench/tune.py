@@ -38,7 +38,7 @@ import torch
 
 from qsa.configs import (CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
                          get_config, load_table, write_entry)
-from qsa.kernels.common import Lookup, backend_and_arch
+from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
 from qsa.workbench.ops import (KERNEL_OF, Point, Prepared, config_coordinate,
@@ -52,8 +52,7 @@ WAVES_PER_EU = (0, 1, 2)
 def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
     if key in CUDA_ONLY_SWITCHES and backend == "hip":
         return (v,)
-    if key in SM90_SWITCHES and not (backend == "cuda" and arch.startswith("sm")
-                                     and int(arch[2:]) >= 90):
+    if key in SM90_SWITCHES and not has_dependent_launch(backend, arch):
         return (v,)
     if key in SWITCH_KEYS:
         return (0, 1)
