@@ -126,6 +126,31 @@ def test_config_space_keeps_backends_apart():
         assert {c.meta["PDL"] for c in space} == tried, (backend, arch)
 
 
+def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_path):
+    """Other entries of the same kernel and format (this arch's buckets, the defaults) are
+    tried right after the current entry: a neighbourhood can not reach them."""
+    def entry(block_n, warps, **meta):
+        return {"meta": {"BLOCK_N": block_n, "SLOTS": 0, **meta}, "num_warps": warps,
+                "num_stages": 2}
+    base = BlockConfig.from_dict(entry(64, 4))
+    table = {"sm90": {"fp8": {"128": entry(64, 4), "256": entry(16, 8),
+                              "32": entry(16, 8), "512": entry(64, 4, EXTRA=1)},
+                      "bf16": {"1": entry(512, 2)}},
+             "default": {"fp8": {"1": entry(32, 2)}},
+             "gfx950": {"fp8": {"1": entry(256, 2)}}}
+    (tmp_path / "k.json").write_text(json.dumps(table))
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
+    seeds = tune_mod.table_seeds("k", "sm90", "fp8", base)
+    # the current entry, duplicates, other meta keys, formats and archs are left out
+    assert seeds == [BlockConfig.from_dict(entry(16, 8)), BlockConfig.from_dict(entry(32, 2))]
+    space = tune_mod.config_space("k", base, "cuda", 500, "sm90", seeds)
+    assert space[:3] == [base, *seeds]
+    assert len({json.dumps(c.as_dict(), sort_keys=True) for c in space}) == len(space)
+    assert tune_mod.config_space("k", base, "cuda", 2, "sm90", seeds) == [base, seeds[0]]
+    # an arch without a section of its own still gets the defaults
+    assert tune_mod.table_seeds("k", "gfx942", "fp8", base) == [seeds[1]]
+
+
 def test_tune_records_failures_and_refuses_interpreter_winners(monkeypatch, tmp_path):
     real = tune_mod.measure_prepared
     calls = []

@@ -59,10 +59,27 @@ def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
     return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
 
 
+def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig) -> list[BlockConfig]:
+    """The other configs the table holds for this kernel and format, in this arch's buckets
+    and the arch-independent defaults, as candidates beside the neighbours of `base`: a
+    neighbourhood search can not reach an entry several steps away, and the H200 step ran a
+    hand-picked sm90 entry at twice the time of the default one (compress, FP8). Only entries
+    with the same meta keys (the kernel as it is now), launch keys of `base` (this backend's)."""
+    table = load_table(kernel)
+    seeds = {}
+    for section in (arch, "default"):
+        for entry in table.get(section, {}).get(fmt, {}).values():
+            cfg = BlockConfig.from_dict({**entry, "amd": base.amd})
+            if set(cfg.meta) == set(base.meta) and cfg != base:
+                seeds.setdefault(json.dumps(cfg.as_dict(), sort_keys=True), cfg)
+    return list(seeds.values())
+
+
 def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48,
-                 arch: str = "") -> list[BlockConfig]:
-    """Candidates around `base`, the fewest changes first, the base itself first of all.
-    `arch` ("sm90", "gfx950", ...) decides which switches the device can take."""
+                 arch: str = "", seeds: list[BlockConfig] = ()) -> list[BlockConfig]:
+    """Candidates around `base`, the fewest changes first, the base itself first of all, then
+    `seeds` (other table entries, `table_seeds`). `arch` ("sm90", "gfx950", ...) decides which
+    switches the device can take."""
     keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
     axes = [_neighbours(k, base.meta[k], backend, arch) for k in keys]
     warps, stages = WARPS, STAGES.get(backend, (base.num_stages,))
@@ -78,9 +95,9 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
         return (sum(c.meta[k] != base.meta[k] for k in keys) + (c.num_warps != base.num_warps)
                 + (c.num_stages != base.num_stages) + (c.amd != base.amd))
 
-    uniq = {json.dumps(c.as_dict(), sort_keys=True): c for c in out if c != base}
-    ranked = sorted(uniq.values(), key=changes)
-    return [base, *ranked[:max_candidates - 1]]
+    uniq = {json.dumps(c.as_dict(), sort_keys=True): c for c in [*seeds, *sorted(out, key=changes)]
+            if c != base}
+    return [base, *list(uniq.values())[:max_candidates - 1]]
 
 
 def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, context: int,
@@ -133,7 +150,8 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
     coord = coord or config_coordinate(prep)  # where the kernel itself looks its entry up
     current = get_config(coord.kernel, arch, coord.fmt, coord.size)
     if candidates is None:
-        space = config_space(op, current.config, backend, max_candidates, arch)
+        space = config_space(op, current.config, backend, max_candidates, arch,
+                             table_seeds(coord.kernel, arch, coord.fmt, current.config))
     else:
         tried = {json.dumps(c.as_dict(), sort_keys=True): c
                  for c in (with_changes(current.config, ch) for ch in candidates)}
