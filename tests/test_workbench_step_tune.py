@@ -108,6 +108,11 @@ def test_config_space_keeps_backends_apart():
     assert len(small) == 5 and small[0] == base
     odd = BlockConfig({"BLOCK_N": 64}, 16, 7)  # launch options outside the searched axes
     assert tune_mod.config_space("score_stacked", odd, "cuda")[0] == odd
+    # warps: 2, 4, 8 and half and double the entry's, up to 1,024 threads per program
+    many = BlockConfig({"BLOCK_N": 64}, 16, 2)
+    assert {c.num_warps for c in tune_mod.config_space("k", many, "cuda", 500)} == {2, 4, 8, 16, 32}
+    assert {c.num_warps for c in tune_mod.config_space("k", many, "hip", 500)} == {2, 4, 8, 16}
+    assert {c.num_warps for c in cuda} == {2, 4, 8}
     # a switch is tried on and off, whichever way the entry has it; a size of 1 stays
     flags = BlockConfig({"BLOCK_N": 64, "SLOTS": 1, "MERGE_LAST": 0, "SPLIT_MIN_BLOCKS": 1}, 4, 2)
     space = tune_mod.config_space("sparse_gqa_decode", flags, "cuda", max_candidates=500)

@@ -3,9 +3,11 @@ to the per-arch config tables with provenance.
 
 The search space is derived from the table's current entry, so no second hand-kept list of a
 kernel's constexprs exists: every integer meta-parameter is tried at half, same and double its
-value, switches (`SWITCH_KEYS`, but not a CUDA-only one on ROCm nor an sm90 one where the
-device lacks it) at both values, with the
-launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`).
+value, the warp count at 2, 4, 8 and half and double the entry's, switches (`SWITCH_KEYS`, but
+not a CUDA-only one on ROCm nor an sm90 one where the device lacks it) at both values, with the
+launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`). The
+table's other entries for the same kernel and format come right after the current entry
+(`table_seeds`).
 Candidates that exceed shared memory or registers are pruned by Triton's own resource check
 at compile time (`OutOfResources`, before any launch); like every failing candidate (compile
 error, wrong result) they are recorded with the reason and skipped.
@@ -45,6 +47,9 @@ from qsa.workbench.ops import (KERNEL_OF, Point, Prepared, config_coordinate,
                                measure_prepared, prepare)
 
 WARPS = (2, 4, 8)
+# Most warps one program may have: 1,024 threads, 32 warps of 32 on NVIDIA, 16 wavefronts of
+# 64 on AMD.
+MAX_WARPS = {"cuda": 32, "hip": 16, "interpreter": 32}
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
 
@@ -82,7 +87,11 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
     switches the device can take."""
     keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
     axes = [_neighbours(k, base.meta[k], backend, arch) for k in keys]
-    warps, stages = WARPS, STAGES.get(backend, (base.num_stages,))
+    # The fixed warp counts, and like every size half and double the entry's own: a kernel
+    # whose entry runs 16 warps (top-k over long rows) is searched around 16.
+    around = {base.num_warps // 2, base.num_warps, base.num_warps * 2}
+    warps = tuple(sorted(w for w in set(WARPS) | around if 1 <= w <= MAX_WARPS.get(backend, 32)))
+    stages = STAGES.get(backend, (base.num_stages,))
     waves = WAVES_PER_EU if backend == "hip" else (None,)
     out = []
     for vals, w, s, we in itertools.product(itertools.product(*axes), warps, stages, waves):
