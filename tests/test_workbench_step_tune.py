@@ -132,28 +132,63 @@ def test_config_space_keeps_backends_apart():
 
 
 def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_path):
-    """Other entries of the same kernel and format (this arch's buckets, the defaults) are
-    tried right after the current entry: a neighbourhood can not reach them."""
-    def entry(block_n, warps, **meta):
-        return {"meta": {"BLOCK_N": block_n, "SLOTS": 0, **meta}, "num_warps": warps,
-                "num_stages": 2}
+    """Other entries of the same kernel and format (this arch's buckets nearest first, then the
+    defaults, at most MAX_SEEDS) are tried right after the current entry: a neighbourhood can
+    not reach them. Entries of another kernel version, with a switch the device can not take,
+    an unlaunchable warp count or a malformed body are left out."""
+    def entry(block_n, warps, merge_last=0, **meta):
+        return {"meta": {"BLOCK_N": block_n, "MERGE_LAST": merge_last, **meta},
+                "num_warps": warps, "num_stages": 2}
     base = BlockConfig.from_dict(entry(64, 4))
-    table = {"sm90": {"fp8": {"128": entry(64, 4), "256": entry(16, 8),
-                              "32": entry(16, 8), "512": entry(64, 4, EXTRA=1)},
+    table = {"sm90": {"fp8": {"128": entry(64, 4), "4096": entry(16, 8), "256": entry(32, 8),
+                              "512": entry(64, 4, EXTRA=1), "64": entry(16, 6),
+                              "16": {"num_warps": 4}},
                       "bf16": {"1": entry(512, 2)}},
              "default": {"fp8": {"1": entry(32, 2)}},
-             "gfx950": {"fp8": {"1": entry(256, 2)}}}
+             "gfx950": {"fp8": {"128": {**entry(128, 4, merge_last=1), "amd": {"kpack": 2}},
+                                "256": {**entry(256, 4), "amd": {"kpack": 2}}}}}
     (tmp_path / "k.json").write_text(json.dumps(table))
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
-    seeds = tune_mod.table_seeds("k", "sm90", "fp8", base)
-    # the current entry, duplicates, other meta keys, formats and archs are left out
-    assert seeds == [BlockConfig.from_dict(entry(16, 8)), BlockConfig.from_dict(entry(32, 2))]
+    seeds = tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda")
+    # nearest bucket first (256, then 4096), then the default; the current entry, other meta
+    # keys, 6 warps, a malformed entry, other formats and archs are left out
+    assert seeds == [BlockConfig.from_dict(e) for e in (entry(32, 8), entry(16, 8),
+                                                        entry(32, 2))]
     space = tune_mod.config_space("k", base, "cuda", 500, "sm90", seeds)
-    assert space[:3] == [base, *seeds]
+    assert space[:4] == [base, *seeds]
     assert len({json.dumps(c.as_dict(), sort_keys=True) for c in space}) == len(space)
     assert tune_mod.config_space("k", base, "cuda", 2, "sm90", seeds) == [base, seeds[0]]
-    # an arch without a section of its own still gets the defaults
-    assert tune_mod.table_seeds("k", "gfx942", "fp8", base) == [seeds[1]]
+    monkeypatch.setattr(tune_mod, "MAX_SEEDS", 1)
+    assert tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda") == seeds[:1]
+    monkeypatch.setattr(tune_mod, "MAX_SEEDS", 3)
+    # an arch without a section of its own still gets the defaults; on ROCm a seed keeps its
+    # own AMD launch keys and may not switch on the NVIDIA-only merge
+    assert tune_mod.table_seeds("k", "gfx942", "fp8", base, 128, "hip") == [seeds[2]]
+    hip = tune_mod.table_seeds("k", "gfx950", "fp8", base, 128, "hip")
+    assert [(c.meta["BLOCK_N"], c.amd) for c in hip] == [(256, {"kpack": 2}), (32, {})]
+
+
+def test_tune_tries_the_table_seeds(monkeypatch, tmp_path):
+    """`tune` asks for the seeds of the coordinate it tunes and times them after the entry."""
+    asked = []
+    seed = BlockConfig({"GROUPS": 64}, 2, 1)
+
+    def seeds(kernel, arch, fmt, base, bucket, backend):
+        asked.append((kernel, fmt, bucket, backend))
+        return [BlockConfig({**base.meta, **seed.meta}, seed.num_warps, seed.num_stages,
+                            base.amd)]
+
+    timed = []
+    monkeypatch.setattr(tune_mod, "table_seeds", seeds)
+    monkeypatch.setattr(tune_mod, "measure_prepared",
+                        lambda prep, cfg, samples=None, twice=False: (
+                            timed.append(cfg), {"us": 1.0, "p10_us": 1.0, "p90_us": 1.0,
+                                                "iqr_us": 0.0, "method": "events",
+                                                "functional_only": True})[1])
+    tune_mod.tune("compress", preset=TINY, batch=1, context=64, rows=1, max_candidates=2,
+                  samples=1, progress=False)
+    assert asked and asked[0][0] == "compress" and asked[0][3] == "interpreter"
+    assert timed[1].meta["GROUPS"] == 64 and timed[1].num_warps == 2
 
 
 def test_tune_records_failures_and_refuses_interpreter_winners(monkeypatch, tmp_path):

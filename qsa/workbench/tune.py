@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -39,7 +40,7 @@ import pandas as pd
 import torch
 
 from qsa.configs import (CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
-                         get_config, load_table, write_entry)
+                         ConfigError, get_config, load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -50,6 +51,9 @@ WARPS = (2, 4, 8)
 # Most warps one program may have: 1,024 threads, 32 warps of 32 on NVIDIA, 16 wavefronts of
 # 64 on AMD.
 MAX_WARPS = {"cuda": 32, "hip": 16, "interpreter": 32}
+# Table entries tried as candidates next to the current one (`table_seeds`): few, so that a
+# capped space keeps most of its one-change neighbours.
+MAX_SEEDS = 3
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
 
@@ -64,20 +68,38 @@ def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
     return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
 
 
-def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig) -> list[BlockConfig]:
-    """The other configs the table holds for this kernel and format, in this arch's buckets
-    and the arch-independent defaults, as candidates beside the neighbours of `base`: a
-    neighbourhood search can not reach an entry several steps away, and the H200 step ran a
-    hand-picked sm90 entry at twice the time of the default one (compress, FP8). Only entries
-    with the same meta keys (the kernel as it is now), launch keys of `base` (this backend's)."""
+def _launchable(w: int, backend: str) -> bool:
+    """A warp count Triton takes on this backend: a power of two, at most 1,024 threads."""
+    return 1 <= w <= MAX_WARPS.get(backend, 32) and w & (w - 1) == 0
+
+
+def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig, bucket: int,
+                backend: str) -> list[BlockConfig]:
+    """Other configs the table holds for this kernel and format, as candidates beside the
+    neighbours of `base`, which a search around `base` can not reach when they are several
+    steps away: this arch's other buckets, nearest to `bucket` first, then the
+    arch-independent defaults, at most MAX_SEEDS. Only entries of the kernel as it is now
+    (the same meta keys), with switches the device can take (`_neighbours`) and a launchable
+    warp count; the arch's own AMD launch keys stay, a default entry takes those of `base`.
+    An entry that does not parse is not a candidate (`qsa compile-check` reports it)."""
     table = load_table(kernel)
-    seeds = {}
-    for section in (arch, "default"):
-        for entry in table.get(section, {}).get(fmt, {}).values():
-            cfg = BlockConfig.from_dict({**entry, "amd": base.amd})
-            if set(cfg.meta) == set(base.meta) and cfg != base:
+    own = sorted(table.get(arch, {}).get(fmt, {}).items(),
+                 key=lambda kv: abs(math.log2(max(int(kv[0]), 1)) - math.log2(max(bucket, 1))))
+    default = table.get("default", {}).get(fmt, {}).items() if arch != "default" else ()
+    seeds: dict[str, BlockConfig] = {}
+    for section, entries in ((arch, own), ("default", default)):
+        for _, entry in entries:
+            amd = entry.get("amd", {}) if section == arch and backend == "hip" else base.amd
+            try:
+                cfg = BlockConfig.from_dict({**entry, "amd": amd})
+            except ConfigError:
+                continue
+            held = all(cfg.meta[k] in _neighbours(k, base.meta[k], backend, arch)
+                       for k in SWITCH_KEYS if k in base.meta and k in cfg.meta)
+            if (set(cfg.meta) == set(base.meta) and held and cfg != base
+                    and _launchable(cfg.num_warps, backend)):
                 seeds.setdefault(json.dumps(cfg.as_dict(), sort_keys=True), cfg)
-    return list(seeds.values())
+    return list(seeds.values())[:MAX_SEEDS]
 
 
 def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48,
@@ -90,7 +112,7 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
     # The fixed warp counts, and like every size half and double the entry's own: a kernel
     # whose entry runs 16 warps (top-k over long rows) is searched around 16.
     around = {base.num_warps // 2, base.num_warps, base.num_warps * 2}
-    warps = tuple(sorted(w for w in set(WARPS) | around if 1 <= w <= MAX_WARPS.get(backend, 32)))
+    warps = tuple(sorted(w for w in set(WARPS) | around if _launchable(w, backend)))
     stages = STAGES.get(backend, (base.num_stages,))
     waves = WAVES_PER_EU if backend == "hip" else (None,)
     out = []
@@ -160,7 +182,8 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
     current = get_config(coord.kernel, arch, coord.fmt, coord.size)
     if candidates is None:
         space = config_space(op, current.config, backend, max_candidates, arch,
-                             table_seeds(coord.kernel, arch, coord.fmt, current.config))
+                             table_seeds(coord.kernel, arch, coord.fmt, current.config,
+                                         coord.size, backend))
     else:
         tried = {json.dumps(c.as_dict(), sort_keys=True): c
                  for c in (with_changes(current.config, ch) for ch in candidates)}
