@@ -2,7 +2,6 @@
 
 import contextlib
 import math
-import time
 
 import pytest
 import torch
@@ -150,11 +149,16 @@ class _FakeCuda:
     host clock, captures record which sets were called, and capture can be made to fail."""
 
     def __init__(self, monkeypatch, *, capture_error: Exception | None = None,
-                 hip: str | None = None):
+                 hip: str | None = None, host_us: float = 300.0, device_us: float = 5.0,
+                 replay_us: float = 8.0):
         self.capture_error = capture_error
         self.capturing = None
         self.calls: list[tuple[int, bool]] = []
         self.graphs: list[_FakeCuda.Graph] = []
+        # A simulated clock (us): an eager call costs its host launch time, a replay its own
+        # launch plus the device time of its calls; events read this clock.
+        self.now_us = 0.0
+        self.host_us, self.device_us, self.replay_us = host_us, device_us, replay_us
         fake = self
 
         class Event:
@@ -162,7 +166,7 @@ class _FakeCuda:
                 self.t = None
 
             def record(self, stream=None):
-                self.t = time.perf_counter()
+                self.t = fake.now_us * 1e-6
 
             def synchronize(self):
                 pass
@@ -178,6 +182,7 @@ class _FakeCuda:
 
             def replay(self):
                 self.replays += 1
+                fake.now_us += fake.replay_us + fake.device_us * len(self.sets)
 
         class Stream:
             def wait_stream(self, other):
@@ -205,6 +210,8 @@ class _FakeCuda:
         self.calls.append((i, self.capturing is not None))
         if self.capturing is not None:
             self.capturing.sets.append(i)
+        else:
+            self.now_us += self.host_us
 
 
 def test_device_timer_uses_graph_replay_over_all_sets(monkeypatch):
@@ -215,6 +222,29 @@ def test_device_timer_uses_graph_replay_over_all_sets(monkeypatch):
     assert [g.sets for g in cuda.graphs] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
     assert [g.replays for g in cuda.graphs] == [4, 3, 3]  # one warm replay each, then 7 samples
     assert {i for i, _ in cuda.calls} == set(range(10))
+
+
+def test_graph_samples_are_sized_by_device_time_not_host_launches(monkeypatch):
+    # 300 us of host launch per call would give 4 calls per 1000 us sample, and each replay's
+    # own 8 us would then add 2 us to a 5 us call; sized by a probe replay, a sample holds
+    # ceil(1000 / ((8 + 5 * 4) / 4)) = 143 calls and the replay adds 0.06 us per call.
+    cuda = _FakeCuda(monkeypatch)
+    t = time_fn(cuda.fn, 1, samples=5)
+    assert t.method == METHOD_GRAPH and t.calls_per_sample == 143
+    probe, sampled = cuda.graphs
+    assert len(probe.sets) == 4 and len(sampled.sets) == 143
+    assert t.median_us == pytest.approx(5.0 + 8.0 / 143)
+    # An explicit count is kept as given, and the repeat of `time_twice` reuses the first's.
+    assert time_fn(cuda.fn, 1, samples=5, calls_per_sample=4).median_us == pytest.approx(7.0)
+    twice = time_twice(cuda.fn, 1, samples=5)
+    assert twice.second.calls_per_sample == twice.first.calls_per_sample == 143
+
+
+def test_graph_sizing_keeps_the_cap_and_the_rotation(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, device_us=0.01)
+    t = time_fn(cuda.fn, 3, bytes_per_set=MiB, samples=4, max_graph_calls=50)
+    assert t.calls_per_sample == 48  # whole passes over the 3 sets, at most 50 calls
+    assert cuda.graphs[-1].sets == [0, 1, 2] * 16
 
 
 def test_device_timer_falls_back_to_events_when_capture_raises(monkeypatch):
@@ -266,6 +296,8 @@ def test_graph_replay_on_a_tiny_kernel():
     assert not t.functional_only and t.n_samples == 30
     assert 0 < t.min_us <= t.median_us < 1000
     assert t.cache_policy == "rotate_4MiB_x8"
+    if t.method == METHOD_GRAPH:  # a few-us kernel: sized by device time, many calls a graph
+        assert t.calls_per_sample >= 50, t
     assert all(torch.equal(y, 2 * x) for x, y in zip(xs, ys))
     events = time_fn(run, 8, bytes_per_set=8 * n, samples=30, method="events")
     assert events.method == METHOD_EVENTS and events.median_us > 0

@@ -12,7 +12,13 @@ does, and rotation also works inside a captured graph (no flush kernel in the st
 Timers, best first:
 * graph replay: the calls of one sample are captured into a CUDA/HIP graph on a side stream after
   warm-up and replayed with device events around each replay; per-call time = replay time / calls.
-  This removes host launch gaps, which dominate 1-50 us kernels.
+  This removes host launch gaps, which dominate 1-50 us kernels. A replay also has a fixed cost
+  of its own (the graph's launch, several us), which the calls of a sample share, so a sample
+  is sized by *device* time: a probe graph is replayed first and the sample gets enough calls
+  for `sample_target_us` of device work. Sized by the host's launch time instead (a Python
+  wrapper takes hundreds of us per call), a 4 us kernel got 3-4 calls per graph and read 1.5-2
+  us slow, by an amount that moved with the host between processes
+  (profiles/nvidia-h200/timing-sizing/NOTES.md).
 * device events: an event pair around a batch of plain launches. Used when asked for, and always
   when capture raises (HIP capture is fragile, so the number of captured calls is also capped).
 * host wall clock: only without a GPU. The numbers are marked `functional_only`: interpreter
@@ -210,7 +216,9 @@ def time_fn(fn_for_set: Callable[[int], None], n_sets: int = 1, *,
 
     warmup: passes over all sets before timing (compilation and autotuning happen there).
     calls_per_sample: calls between one pair of events; by default enough for about
-    `sample_target_us` per sample, estimated from one extra warm pass.
+    `sample_target_us` of device time per sample: estimated from one extra warm pass of plain
+    launches for device events, from a probe graph's replay for graph replay (capped at
+    `max_graph_calls`).
     method: "auto" and "graph" try graph replay and fall back to device events if capture
     raises (the Timing's `note` says why); "events" never captures.
     Without a GPU the function still runs, timed by the host clock, and is marked functional.
@@ -231,9 +239,10 @@ def time_fn(fn_for_set: Callable[[int], None], n_sets: int = 1, *,
     for _ in range(warmup):
         for i in range(n_sets):
             fn_for_set(i)
+    sized_by_host = calls_per_sample is None
     if calls_per_sample is None:
         per_call = _events_pass_us(fn_for_set, n_sets)
-        calls_per_sample = max(1, math.ceil(sample_target_us / max(per_call, 1e-3)))
+        calls_per_sample = calls_for_target(per_call, sample_target_us)
 
     note = ""
     if method != "events":
@@ -241,6 +250,10 @@ def time_fn(fn_for_set: Callable[[int], None], n_sets: int = 1, *,
                                   else MAX_GRAPH_CALLS_CUDA)
         chunks = rotation_schedule(n_sets, min(calls_per_sample, cap))
         try:
+            if sized_by_host:  # the host's launch time says nothing of the device's
+                probe = _graph_probe_us(fn_for_set, chunks[0])
+                chunks = rotation_schedule(n_sets, min(calls_for_target(probe, sample_target_us),
+                                                       cap))
             raw = _graph_samples(fn_for_set, chunks, samples)
             return summarize_samples(raw, method=METHOD_GRAPH, cache_policy=policy,
                                      calls_per_sample=max(map(len, chunks)))
@@ -278,6 +291,11 @@ def _time_on_host(fn_for_set: Callable[[int], None], n_sets: int, policy: str, w
                              note="no GPU: host wall clock, functional run only")
 
 
+def calls_for_target(per_call_us: float, sample_target_us: float) -> int:
+    """Calls per sample so that one sample takes about `sample_target_us` (at least one)."""
+    return max(1, math.ceil(sample_target_us / max(per_call_us, 1e-3)))
+
+
 def _events_pass_us(fn_for_set: Callable[[int], None], n_sets: int) -> float:
     """Per-call time of one pass over all sets, to size the samples."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -303,8 +321,21 @@ def _event_samples(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, .
             for s, (start, end) in enumerate(pairs)]
 
 
-def _graph_samples(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, ...], ...],
-                   samples: int) -> list[float]:
+def _graph_probe_us(fn_for_set: Callable[[int], None], chunk: tuple[int, ...],
+                    replays: int = 3) -> float:
+    """Device time per call of `chunk` captured in one graph: its fastest replay divided by its
+    calls (the replay's own cost included, so the estimate errs towards fewer calls)."""
+    graphs = _capture_graphs(fn_for_set, (chunk,))
+    best = min(_replay_samples(graphs, (chunk,), replays))
+    del graphs
+    torch.cuda.synchronize()
+    return best
+
+
+def _capture_graphs(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, ...], ...]
+                    ) -> list[Any]:
+    """One graph per chunk, captured on a side stream after a warm-up there, each replayed
+    once before it is timed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # torch requires a side-stream warm-up before capture
@@ -324,6 +355,12 @@ def _graph_samples(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, .
     for graph in graphs:
         graph.replay()
     torch.cuda.synchronize()
+    return graphs
+
+
+def _replay_samples(graphs: list[Any], chunks: tuple[tuple[int, ...], ...],
+                    samples: int) -> list[float]:
+    """Per-call us of `samples` replays, cycling through the graphs."""
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(samples)]
     for s, (start, end) in enumerate(pairs):
@@ -333,3 +370,8 @@ def _graph_samples(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, .
     torch.cuda.synchronize()
     return [start.elapsed_time(end) * 1e3 / len(chunks[s % len(chunks)])
             for s, (start, end) in enumerate(pairs)]
+
+
+def _graph_samples(fn_for_set: Callable[[int], None], chunks: tuple[tuple[int, ...], ...],
+                   samples: int) -> list[float]:
+    return _replay_samples(_capture_graphs(fn_for_set, chunks), chunks, samples)
