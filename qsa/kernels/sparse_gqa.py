@@ -12,6 +12,11 @@ Design, and why:
   (block * PAGE + offset, -1 for none), so the K/V gathers in the loop sit one dependent load
   deep instead of two (ids -> page table -> K/V) and the software pipeliner keeps more tiles
   in flight; it costs a launch, so the small-batch entries leave it off.
+* A BF16 split of one token block (the batch-1 entries) requests its V tile right after K: a
+  one-iteration loop is folded away, and with it the pipeliner's asynchronous copies that
+  otherwise fetch V ahead. Measured on the H200 at batch 1 x 128K: BF16 13.30 -> 12.81 us,
+  FP8 12.35 -> 12.73 us (slower: its entry runs 2 warps with V in halves), so FP8 keeps V
+  after the scores (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
 * Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
 * FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
   probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
@@ -133,6 +138,18 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _load_v(v_rows, vs_ptr, blk64, stride_vsb, tok, head, valid, dv, FP8: tl.constexpr):
+    """One tile's V columns `dv` and, for FP8 tiles, its per-token value scales (BF16: ones,
+    never read)."""
+    v = tl.load(v_rows + dv[None, :], mask=valid[:, None], other=0.0)
+    if FP8:
+        vsc = tl.load(vs_ptr + blk64 * stride_vsb + tok + head, mask=valid, other=0.0)
+    else:
+        vsc = tl.full(valid.shape, 1.0, tl.float32)
+    return v, vsc
+
+
+@triton.jit
 def _pv_accumulate(acc, pw, v, alpha, r, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
                    DV: tl.constexpr):
     """acc * alpha + P V over one tile's V columns: FP8 codes through fp16 with the row
@@ -241,6 +258,13 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         kv_off = tok * D + head_off
         k = tl.load(k_ptr + (blk64 * stride_kb + kv_off)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
+        v_rows = v_ptr + (blk64 * stride_vb + kv_off)[:, None]
+        V_FIRST: tl.constexpr = SPLIT_BLOCKS == 1 and not FP8
+        if V_FIRST:
+            # One tile per program: the loop folds away with the pipeliner's asynchronous
+            # copies, so V is requested next to K rather than after the scores (one DRAM
+            # round trip less on the program's chain; the batch-1 entries split this way).
+            v, vsc = _load_v(v_rows, vs_ptr, blk64, stride_vsb, tok, head, valid, dv, FP8)
         if FP8:
             ksc = tl.load(ks_ptr + blk64 * stride_ksb + tok + head, mask=valid, other=0.0)
             s = tl.dot(q, tl.trans(k.to(tl.float16)))
@@ -252,10 +276,9 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = v_ptr + (blk64 * stride_vb + kv_off)[:, None]
-        v = tl.load(v_rows + dv[None, :], mask=valid[:, None], other=0.0)
+        if not V_FIRST:
+            v, vsc = _load_v(v_rows, vs_ptr, blk64, stride_vsb, tok, head, valid, dv, FP8)
         if FP8:
-            vsc = tl.load(vs_ptr + blk64 * stride_vsb + tok + head, mask=valid, other=0.0)
             pv = p * vsc[None, :]
             r = tl.max(pv, axis=1)
             r = tl.where(r > 0.0, r, 1.0)
