@@ -85,6 +85,23 @@ def test_pairs_that_can_not_be_ranked_are_incomparable(change: dict, reason: str
     assert "incomparable because" in c.summary()
 
 
+def test_short_graph_samples_sized_by_host_launch_time_are_incomparable() -> None:
+    # Records from before device-sized samples carry no `sizing`: 4 calls of a 5 us kernel per
+    # graph is a 20 us sample, whose per-call time includes a quarter of the replay's own cost.
+    old = rec(1, 8192, 5.0, iqr=0.1, calls_per_sample=4)
+    new = rec(1, 8192, 3.4, iqr=0.1, calls_per_sample=300, sizing="device_time")
+    for a, b, side in ((old, new, "A"), (new, old, "B"), (old, old, "A")):
+        v, *_, reason = cmp.verdict(a, b)
+        assert v == "incomparable" and reason.startswith(f"{side} is a graph replay sized by "
+                                                         "host launch time: 4 calls")
+    # Long host-sized samples (a whole step per graph), device-sized ones, events: compared.
+    step = rec(1, 8192, 2400.0, iqr=10.0, calls_per_sample=1)
+    assert cmp.verdict(step, {**step, "us": 2300.0, "sizing": "device_time"})[0] == "faster"
+    assert cmp.verdict(new, {**new, "us": 3.0})[0] == "faster"
+    events = {**old, "method": "device_events"}
+    assert cmp.verdict(events, {**events, "us": 4.0})[0] == "faster"
+
+
 def test_duplicate_points_and_missing_keys_are_refused() -> None:
     a = frame(rec(1, 8192, 100.0), rec(1, 8192, 90.0))
     with pytest.raises(ValueError, match="2 rows sharing keys"):

@@ -234,8 +234,12 @@ def test_graph_samples_are_sized_by_device_time_not_host_launches(monkeypatch):
     probe, sampled = cuda.graphs
     assert len(probe.sets) == 4 and len(sampled.sets) == 143
     assert t.median_us == pytest.approx(5.0 + 8.0 / 143)
+    assert t.sizing == timing.SIZING_DEVICE and t.as_record()["sizing"] == "device_time"
     # An explicit count is kept as given, and the repeat of `time_twice` reuses the first's.
-    assert time_fn(cuda.fn, 1, samples=5, calls_per_sample=4).median_us == pytest.approx(7.0)
+    given = time_fn(cuda.fn, 1, samples=5, calls_per_sample=4)
+    assert given.median_us == pytest.approx(7.0) and given.sizing == timing.SIZING_CALLER
+    events = time_fn(cuda.fn, 1, samples=5, method="events")
+    assert events.sizing == timing.SIZING_HOST and events.calls_per_sample == 4
     twice = time_twice(cuda.fn, 1, samples=5)
     assert twice.second.calls_per_sample == twice.first.calls_per_sample == 143
 

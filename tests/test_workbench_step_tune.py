@@ -78,7 +78,8 @@ def test_a_step_that_can_not_be_captured_is_not_called_a_graph_replay(monkeypatc
     from qsa.measure.timing import METHOD_EVENTS, Timing
 
     def fake_measure(prep, config=None, samples=None, twice=False):
-        return {"us": 2.0, "method": "graph_replay", "functional_only": False}
+        return {"us": 2.0, "method": "graph_replay", "calls_per_sample": 500,
+                "sizing": "device_time", "functional_only": False}
 
     def fake_time(fn, n_sets, method="auto", **kw):
         fn(0)
@@ -93,6 +94,7 @@ def test_a_step_that_can_not_be_captured_is_not_called_a_graph_replay(monkeypatc
     row = whole.loc[f"whole step ({METHOD_EVENTS})"]
     assert row["method"] == METHOD_EVENTS and "capture failed" in row["note"]
     assert whole.loc["sum of kernels", "method"] == "graph_replay"  # the calls were captured
+    assert set(df.loc[df["phase"] != "step", "sizing"]) == {"device_time"}
 
 
 def test_config_space_keeps_backends_apart():

@@ -49,6 +49,12 @@ MAX_GRAPH_CALLS_CUDA = 1000
 MAX_GRAPH_CALLS_HIP = 100
 # Without a GPU the times are meaningless, so the host path spends as little time as it can.
 HOST_MAX_SAMPLES = 5
+# How the calls of a sample were counted (the Timing's `sizing`): from a probe graph's device
+# time, from a pass of plain launches (the host's time), or given by the caller. Records
+# without the field are older graph replays, sized from the host's launch time.
+SIZING_DEVICE = "device_time"
+SIZING_HOST = "host_launch"
+SIZING_CALLER = "caller"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class Timing:
     calls_per_sample: int
     functional_only: bool = False
     note: str = ""
+    sizing: str = SIZING_CALLER
 
     @property
     def rel_iqr(self) -> float:
@@ -84,7 +91,7 @@ class Timing:
 
 def summarize_samples(samples_us: Sequence[float], *, method: str, cache_policy: str,
                       calls_per_sample: int, functional_only: bool = False,
-                      note: str = "") -> Timing:
+                      note: str = "", sizing: str = SIZING_CALLER) -> Timing:
     """Statistics of per-call samples (us). Pure, so it is tested without a device.
 
     All samples are kept and none is dropped: the median and p10/p90 are already robust, and
@@ -102,7 +109,7 @@ def summarize_samples(samples_us: Sequence[float], *, method: str, cache_policy:
                   min_us=float(x.min()), iqr_us=float(q75 - q25), n_samples=int(x.size),
                   samples_us=tuple(float(v) for v in x), method=method,
                   cache_policy=cache_policy, calls_per_sample=calls_per_sample,
-                  functional_only=functional_only, note=note)
+                  functional_only=functional_only, note=note, sizing=sizing)
 
 
 # --- noise -------------------------------------------------------------------------------------
@@ -256,14 +263,16 @@ def time_fn(fn_for_set: Callable[[int], None], n_sets: int = 1, *,
                                                        cap))
             raw = _graph_samples(fn_for_set, chunks, samples)
             return summarize_samples(raw, method=METHOD_GRAPH, cache_policy=policy,
-                                     calls_per_sample=max(map(len, chunks)))
+                                     calls_per_sample=max(map(len, chunks)),
+                                     sizing=SIZING_DEVICE if sized_by_host else SIZING_CALLER)
         except Exception as exc:  # capture support varies by op, driver and vendor
             torch.cuda.synchronize()
             note = f"graph capture failed ({type(exc).__name__}: {exc}); used device events"
     chunks = rotation_schedule(n_sets, calls_per_sample)
     raw = _event_samples(fn_for_set, chunks, samples)
     return summarize_samples(raw, method=METHOD_EVENTS, cache_policy=policy,
-                             calls_per_sample=max(map(len, chunks)), note=note)
+                             calls_per_sample=max(map(len, chunks)), note=note,
+                             sizing=SIZING_HOST if sized_by_host else SIZING_CALLER)
 
 
 def time_twice(fn_for_set: Callable[[int], None], n_sets: int = 1,

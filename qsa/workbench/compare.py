@@ -5,7 +5,8 @@ Points are matched on their shape columns; each matched pair gets a verdict with
 module's rule (`qsa.measure.timing.same_within_noise`): B is "faster" or "slower" only when the
 medians differ by more than the larger relative IQR of the two measurements, else "same".
 Pairs that can not be compared honestly (different timing method or cache policy, an
-interpreter run, an unverified kernel) are "incomparable", never silently ranked.
+interpreter run, an unverified kernel, a graph replay whose sample was too short for the
+replay's own cost to vanish) are "incomparable", never silently ranked.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qsa.measure.timing import Timing, noise_floor, relative_difference
+from qsa.measure.timing import (METHOD_GRAPH, SIZING_HOST, Timing, noise_floor,
+                                relative_difference)
 
 DEFAULT_KEYS: tuple[str, ...] = ("op", "preset", "batch", "context", "rows", "index_format",
                                  "kv_format", "selection")
 VERDICTS: tuple[str, ...] = ("faster", "slower", "same", "incomparable", "only_a", "only_b")
 _TIMING_COLS = ("us", "p10_us", "p90_us", "iqr_us", "n_samples", "method", "cache_policy",
-                "functional_only", "verified")
+                "functional_only", "verified", "calls_per_sample", "sizing")
+# A graph replay's own cost (about 10 us on the H200) is spread over the calls of a sample; a
+# sample of at least this much device time keeps it near 1% of the per-call time.
+MIN_HOST_SIZED_SAMPLE_US = 1000.0
 
 
 def _timing(row: Mapping[str, Any]) -> Timing:
@@ -48,6 +53,9 @@ def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, float, flo
             return "incomparable", math.nan, math.nan, f"{side} failed verification"
         if not (rec.get("us", math.nan) > 0) or _nan(rec.get("iqr_us")):
             return "incomparable", math.nan, math.nan, f"{side} has no timing"
+        short = _short_host_sized_graph(rec)
+        if short:
+            return "incomparable", math.nan, math.nan, f"{side} {short}"
     ta, tb = _timing(a), _timing(b)
     try:
         rel = relative_difference(ta, tb)
@@ -57,6 +65,28 @@ def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, float, flo
     if rel <= floor:
         return "same", rel, floor, ""
     return ("faster" if tb.median_us < ta.median_us else "slower"), rel, floor, ""
+
+
+def _short_host_sized_graph(rec: Mapping[str, Any]) -> str:
+    """Why a graph-replay record's median carries part of the replay's own cost, or "".
+
+    Before samples were sized by device time (records without `sizing`), a graph held as many
+    calls as the host could launch in 1 ms, often 1-7 for a few-us kernel, so each call
+    carried a share of the replay's cost that moved with the host
+    (profiles/nvidia-h200/timing-sizing/NOTES.md). Such a record is kept out of comparisons
+    when its sample held less than MIN_HOST_SIZED_SAMPLE_US of calls."""
+    if rec.get("method") != METHOD_GRAPH:
+        return ""
+    sizing = rec.get("sizing")
+    calls = rec.get("calls_per_sample")
+    if (not _nan(sizing) and sizing != SIZING_HOST) or _nan(calls):
+        return ""
+    sample_us = float(calls) * float(rec["us"])
+    if sample_us >= MIN_HOST_SIZED_SAMPLE_US:
+        return ""
+    return (f"is a graph replay sized by host launch time: {int(calls)} calls per sample "
+            f"({sample_us:.0f} us), so each call carries part of the replay's own cost; "
+            "re-run it (samples are now sized by device time)")
 
 
 def _flag(v: Any) -> bool:

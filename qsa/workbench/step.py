@@ -111,7 +111,8 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
         rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,
                      "calls_per_step": c.calls_per_step, "us_per_call": rec["us"],
                      "us_per_step": rec["us"] * c.calls_per_step,
-                     "method": rec["method"], "functional_only": rec["functional_only"]})
+                     "method": rec["method"], "calls_per_sample": rec["calls_per_sample"],
+                     "sizing": rec["sizing"], "functional_only": rec["functional_only"]})
     df = pd.DataFrame(rows)
     total = df["us_per_step"].sum()
     df["share"] = df["us_per_step"] / total
@@ -124,6 +125,7 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
         label = "graph replay" if t.method == METHOD_GRAPH else f"whole step ({t.method})"
         summary.append({"phase": "step", "kernel": label, "us_per_step": t.median_us,
                         "share": t.median_us / total, "method": t.method,
+                        "calls_per_sample": t.calls_per_sample, "sizing": t.sizing,
                         "functional_only": t.functional_only, "note": t.note})
     return pd.concat([df, pd.DataFrame(summary)], ignore_index=True)
 
