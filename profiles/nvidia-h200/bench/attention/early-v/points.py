@@ -1,4 +1,5 @@
-"""Verify then time decode points (device-sized graph replay, timed twice); one line each."""
+"""Verify then time decode points (device-sized graph replay, timed twice); one line each.
+Usage: PYTHONPATH=. python3 points.py TAG "OP BATCH CONTEXT ROWS INDEX_FMT KV_FMT SELECTION" ..."""
 import json, sys
 from qsa.measure.timing import time_twice
 from qsa.presets import DEFAULT_PRESET, as_preset
