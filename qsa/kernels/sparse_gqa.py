@@ -14,9 +14,9 @@ Design, and why:
   in flight; it costs a launch, so the small-batch entries leave it off.
 * A BF16 split of one token block (the batch-1 entries) requests its V tile right after K: a
   one-iteration loop is folded away, and with it the pipeliner's asynchronous copies that
-  otherwise fetch V ahead. Measured on the H200 at batch 1 x 128K: BF16 13.30 -> 12.81 us,
-  FP8 12.35 -> 12.73 us (slower: its entry runs 2 warps with V in halves), so FP8 keeps V
-  after the scores (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
+  otherwise fetch V ahead. Measured on the H200 at batch 1 x 128K: BF16 13.29 -> 12.74 us;
+  FP8 the same way 12.35 -> 12.73 us (slower: its entry runs 2 warps with V in halves), so
+  FP8 keeps V after the scores (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
 * Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
 * FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
   probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
