@@ -93,3 +93,22 @@ def test_a_spill_fails_unless_the_tuner_timed_the_entry_on_that_arch():
     over = {"spill_bytes": 0, "shared_bytes": cc.SHARED_LIMIT["gfx942"] + 1}
     assert cc._status(over, "gfx942", measured=True) == "exceeds shared memory"
     assert cc._status({"spill_bytes": 0, "shared_bytes": 0}, "sm90", measured=False) == "ok"
+
+
+def test_loop_opcodes_take_the_longest_backward_branch():
+    from qsa.workbench.compile_check import loop_opcodes
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IMAD R2, R3, 0x4, RZ ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0030*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0040*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0050*/              @!P1 LOP3.LUT R5, R4, 0xff, RZ, 0xc0, !PT ;
+        /*0060*/               @P2 BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+"""
+    assert loop_opcodes(sass) == ["LDG.E", "HMMA.16816.F32", "LOP3.LUT", "BRA"]
+    assert loop_opcodes("        /*0000*/                   EXIT ;\n") == []

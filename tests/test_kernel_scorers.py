@@ -34,7 +34,8 @@ NINF = float("-inf")
 # Small tiles so that CPU cases span several tiles, tiles per program and key chunks.
 SMALL = {
     "rowwise": BlockConfig({"BLOCK_N": 16, "CK": 32, "PROGRAMS_PER_UNIT": 4, "MAX_TILES": 2}),
-    "stacked": BlockConfig({"BLOCK_N": 16, "PROGRAMS_PER_UNIT": 4, "MAX_TILES": 2}),
+    "stacked": BlockConfig({"BLOCK_N": 16, "PROGRAMS_PER_UNIT": 4, "MAX_TILES": 2,
+                            "HOIST_Q_MIN_TILES": 4}),
     "prefill": BlockConfig({"BLOCK_MH": 64, "BLOCK_N": 16, "PROGRAMS_PER_UNIT": 2,
                             "MAX_TILES": 2}),
 }
@@ -141,6 +142,17 @@ def test_signed_head_weights(kernel, fmt):
     case = ragged_case(fmt, 16, seed=7)
     w = torch.tensor([1.5, -0.5, 2.0, 0.25], device=DEVICE)
     got, ref = run(kernel, case, fmt, config=SMALL[kernel], weights=w)
+    assert_scores(got, ref)
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("hoist_min_tiles", (1, 1 << 30))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stacked_q_hoisted_or_in_loop(fmt, hoist_min_tiles):
+    """Both places of the q load (once per program, or once per tile) give the reference."""
+    case = ragged_case(fmt, 16, seed=13)
+    config = SMALL["stacked"].with_meta(HOIST_Q_MIN_TILES=hoist_min_tiles)
+    got, ref = run("stacked", case, fmt, config=config)
     assert_scores(got, ref)
 
 
@@ -266,14 +278,15 @@ def test_config_tables(kernel):
 
 def test_kernel_names_carry_config():
     consts = {"FMT": "mxfp4", "H": 4, "D": 128, "GPB": 16, "BLOCK_R": 4, "BLOCK_M": 64,
-              "BLOCK_N": 64, "TILES": 8, "WARPS": 4, "STAGES": 2}
+              "BLOCK_N": 64, "TILES": 8, "WARPS": 4, "STAGES": 2, "HOIST_Q": True}
     spec = SimpleNamespace(constants=consts)
 
     def name(kernel) -> str:  # the interpreter wraps the JITFunction and keeps its kwargs
         return kernel.kwargs["repr"](spec) if hasattr(kernel, "kwargs") else kernel.repr(spec)
 
     assert name(_score_stacked_kernel) == (
-        "qsa_score_stacked_FMTmxfp4_H4_D128_GPB16_BLOCK_R4_BLOCK_N64_TILES8_WARPS4_STAGES2")
+        "qsa_score_stacked_FMTmxfp4_H4_D128_GPB16_BLOCK_R4_BLOCK_N64_TILES8_WARPS4_STAGES2"
+        "_HOIST_QTrue")
     assert name(_score_prefill_kernel).startswith("qsa_score_prefill_FMTmxfp4_H4_D128")
 
 
@@ -341,6 +354,27 @@ def test_input_errors(kernel):
         fn(cache, b, q, p, "fp8", config=SMALL[kernel].with_meta(BLOCK_N=8))
     with pytest.raises(KernelInputError, match="power of two"):
         fn(cache, b, q, p, "fp8", config=SMALL[kernel].with_meta(MAX_TILES=3))
+    if kernel == "stacked":
+        meta = {k: v for k, v in SMALL[kernel].meta.items() if k != "HOIST_Q_MIN_TILES"}
+        with pytest.raises(KernelInputError, match="HOIST_Q_MIN_TILES"):
+            fn(cache, b, q, p, "fp8", config=BlockConfig(meta))
+
+
+@pytest.mark.parametrize("kernel", ("rowwise", "stacked"))
+def test_mxfp4_scales_must_be_word_aligned(kernel):
+    """The E8M0 rows are read as 32-bit words: a plane view off a 4-byte boundary is refused
+    with the reason, not read misaligned."""
+    case = ragged_case("mxfp4", 16)
+    cache = index_cache(case.cache)
+    s = cache["index_compressed_scale"]
+    inner = s[0].numel()
+    for pad, stride in ((1, inner), (0, inner + 2)):
+        big = torch.zeros(pad + s.shape[0] * stride, dtype=s.dtype, device=s.device)
+        view = big[pad:].as_strided(s.shape, (stride, *s.stride()[1:]))
+        view.copy_(s)
+        with pytest.raises(KernelInputError, match="4-byte aligned"):
+            KERNELS[kernel](dict(cache, index_compressed_scale=view), case.batch,
+                            surrogate(case.q_index.to(torch.bfloat16)), case.preset, "mxfp4")
 
 
 def test_validation_is_cached_but_sees_in_place_changes():
@@ -430,6 +464,15 @@ def test_gpu_rowwise_vs_stacked(fmt):
         kth = rw[r, g_rw[r, :n[r]].long()].min()
         diff = torch.tensor(sorted(a ^ b), device=rw.device)
         assert (rw[r, diff] - kth).abs().max() <= 4 * tol, f"row {r}: selections differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_stacked_large_batch(fmt):
+    """A batch large enough that programs score many tiles and load q once (HOIST_Q)."""
+    case = gpu_case(fmt, (32_768,) * 40 + (1_000, 65_536), (4,) * 41 + (1,), seed=5)
+    got, ref = run("stacked", case, fmt)
+    assert_scores_gpu(got, ref)
 
 
 @pytest.mark.gpu

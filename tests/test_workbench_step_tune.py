@@ -418,7 +418,7 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
     prov = {"tuned": True, "device": detect_device().name, "torch": torch.__version__,
             "triton": triton.__version__}
     write_entry("score_stacked", "default", "bf16", 40, BlockConfig({"BLOCK_N": 16,
-                "MAX_TILES": 4, "PROGRAMS_PER_UNIT": 1}), prov)
+                "HOIST_Q_MIN_TILES": 4, "MAX_TILES": 4, "PROGRAMS_PER_UNIT": 1}), prov)
     write_entry("topk", "default", "fp32", int(df.loc[2, "bucket"]),
                 get_config("topk", "default", "fp32", 1).config, {**prov, "triton": "0.0"})
     again = tune_mod.tune_all(points[:3], max_candidates=2, samples=1, progress=False)

@@ -18,11 +18,15 @@ fp32 copies of bf16 tensors, and every kernel takes the dtype it is given).
     queries are RMS-normalized). An FP8 MMA is not used: it would quantize q. The FP32 key scale
     is positive, so it commutes with the ReLU and the head sum and is applied once per (row,
     key), after them.
-  - E2M1 nibbles become fp16 bit patterns by integer operations alone (`mx_nibbles`, about 2.5
-    instructions per element, no float conversion): the value times 2^-14, exact. The E8M0
-    exponents vary along D, so they act before the dot is complete: one K=32 dot per 32-element
-    scale block, its fp32 result multiplied by 2^(E-127) per key before the blocks are summed
-    (still before the ReLU); the 2^14 is restored after the head sum. That is what
+  - E2M1 nibbles become fp16 bit patterns by integer operations alone (`mx_nibbles`, four per
+    code byte, no float conversion): the value times 2^-14, exact. The low and high nibbles of a
+    byte are the even and odd elements of a block and stay apart (`load_mx_halves`): each half
+    is already the packed fp16 pair the MMA takes, and q is split the same way, so a block is
+    two K=16 dots instead of re-interleaving the halves in registers. The E8M0 exponents vary
+    along D, so they act before the dot is complete: each 32-element block's fp32 result is
+    multiplied by 2^(E-127) per key before the blocks are summed (still before the ReLU); the
+    2^14 is restored after the head sum. A key's four exponents arrive in one 32-bit load
+    (`load_mx_scales`). That is what
     `tl.dot_scaled` computes; it is not used because the interpreter lacks it and sm90 has no
     FP4 MMA. On gfx950, whose MFMA takes MX scales natively, it is the next step.
 * Prefill (a key tile meets hundreds of rows x heads, so decode cost is amortized): FP8 and
@@ -57,7 +61,7 @@ from qsa.presets import ModelPreset
 # operands with fewer rows x heads are padded to it with masked rows.
 MIN_MMA_M = 16
 # Meta keys that steer the host-side launch plan and are not kernel arguments.
-HOST_META_KEYS = ("PROGRAMS_PER_UNIT", "MAX_TILES", "BLOCK_MH")
+HOST_META_KEYS = ("PROGRAMS_PER_UNIT", "MAX_TILES", "BLOCK_MH", "HOIST_Q_MIN_TILES")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,9 +100,8 @@ def mx_nibbles(x):
     e=0 code (0.5) lands on a subnormal, so every E2M1 value comes out exact, scaled by 2^-14.
     Both nibbles are built in one 32-bit word (low nibble in the low half) with two multiplies
     as shifts and two masks: x * (2^9 + 2^21) places the magnitudes, x * (2^12 + 2^24) the
-    signs, and the shifted copies of an 8-bit x can not overlap. Re-joined in element order the
-    halves are the word again, so the compiler keeps it as the packed fp16 pair the matrix unit
-    takes: about 2.5 instructions per element, no float conversion.
+    signs, and the shifted copies of an 8-bit x can not overlap. Four integer instructions per
+    byte on sm90, plus one to take the byte out of the loaded word.
     """
     pair = ((x * 0x00200200) & 0x0E000E00) | ((x * 0x01001000) & 0x80008000)
     return (pair.to(tl.uint16).to(tl.float16, bitcast=True),
@@ -115,13 +118,6 @@ def load_mx_halves(kc_ptr, key_off, ok, c):
 
 
 @triton.jit
-def load_mx_block(kc_ptr, key_off, ok, c):
-    """Scale block c of MXFP4 keys in element order, [N, 32] fp16 (E2M1 * 2^-14)."""
-    lo, hi = load_mx_halves(kc_ptr, key_off, ok, c)
-    return tl.reshape(tl.join(lo, hi), (lo.shape[0], 32))
-
-
-@triton.jit
 def e8m0_value(e):
     """2^(e-127) of E8M0 bytes (int32), fp32, from the bits (byte 0 is the subnormal 2^-127)."""
     return tl.where(e > 0, e << 23, 0x00400000).to(tl.float32, bitcast=True)
@@ -131,6 +127,25 @@ def e8m0_value(e):
 def load_mx_scale(ks_ptr, scale_off, ok, c):
     """2^(E-127) of scale block c per key, [N] fp32."""
     return e8m0_value(tl.load(ks_ptr + scale_off + c, mask=ok, other=0).to(tl.int32))
+
+
+@triton.jit
+def load_mx_scales(ks_ptr, scale_off, ok, NB: tl.constexpr):
+    """2^(E-127) of the NB scale blocks of each key, a tuple of NB [N] fp32. A key's E8M0 bytes
+    are contiguous; when NB is a multiple of 4 they are 4-byte aligned (`prepare_inputs` checks
+    it) and arrive four per 32-bit load: one load and one layout change of the [N] vector per
+    four blocks instead of one per block."""
+    out = ()
+    if NB % 4 == 0:
+        for w in tl.static_range(NB // 4):
+            word = tl.load((ks_ptr + scale_off + 4 * w).to(tl.pointer_type(tl.int32)),
+                           mask=ok, other=0)
+            for j in tl.static_range(4):
+                out = out + (e8m0_value((word >> (8 * j)) & 0xFF),)
+    else:
+        for c in tl.static_range(NB):
+            out = out + (load_mx_scale(ks_ptr, scale_off, ok, c),)
+    return out
 
 
 @triton.jit
@@ -199,6 +214,7 @@ def store_ninf(out_row, row_ok, tile0, width, BLOCK_R: tl.constexpr, BLOCK_N: tl
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ScoreInputs:
@@ -329,6 +345,11 @@ def prepare_inputs(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: t
     require(batch.block_size == preset.block_size,
             f"batch.block_size {batch.block_size} != preset block_size {preset.block_size}")
     keys, scales = _check_keys(cache, index_format, d, batch.block_size)
+    if index_format == "mxfp4" and (d // MX_GROUP) % 4 == 0:
+        require(scales.data_ptr() % 4 == 0 and scales.stride(0) % 4 == 0,
+                f"index_compressed_scale: the E8M0 rows are read four bytes at a time and must "
+                f"be 4-byte aligned (data offset {scales.data_ptr() % 4} mod 4, block stride "
+                f"{scales.stride(0)})")
     dev = keys.device
     require(scales.device == dev, f"index_compressed_scale: on {scales.device}, keys on {dev}")
     require(q_index.dim() == 3 and tuple(q_index.shape[1:]) == (h, d),

@@ -18,7 +18,7 @@ import triton.language as tl
 from qsa.configs import BlockConfig
 from qsa.kernels.common import kernel_repr, lookup
 from qsa.kernels.index_tiles import (key_col_scale, key_rows, load_dense, load_mx_halves,
-                                     load_mx_scale, plan_tiles, prepare_inputs, score_work,
+                                     load_mx_scales, plan_tiles, prepare_inputs, score_work,
                                      split_config)
 from qsa.measure.work import Work
 from qsa.paging import PagedBatch
@@ -40,13 +40,14 @@ def _fma_tile(q_ptr, q_row_off, kc_ptr, ks_ptr, key_off, scale_off, ok,
     acc = tl.zeros([BLOCK_N, H_PAD], tl.float32)
     if FMT == "mxfp4":
         i2 = 2 * tl.arange(0, 16)
+        scales = load_mx_scales(ks_ptr, scale_off, ok, D // 32)
         for c in tl.static_range(D // 32):
             lo, hi = load_mx_halves(kc_ptr, key_off, ok, c)
             qe = tl.load(hq + c * 32 + i2[None, :], mask=hm, other=0.0).to(tl.float32)
             qo = tl.load(hq + c * 32 + i2[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
             part = tl.sum(lo.to(tl.float32)[:, None, :] * qe[None, :, :], axis=2)
             part += tl.sum(hi.to(tl.float32)[:, None, :] * qo[None, :, :], axis=2)
-            acc += part * load_mx_scale(ks_ptr, scale_off, ok, c)[:, None]
+            acc += part * scales[c][:, None]
     else:
         dk = tl.arange(0, CK)
         for c in tl.static_range(D // CK):

@@ -156,6 +156,39 @@ def _amdgpu_usage(asm: str) -> dict[str, int]:
             + num("private_segment_fixed_size")}
 
 
+def sm90_sass(cubin: bytes) -> str:
+    """The SASS of an sm90 cubin, from the nvdisasm Triton ships."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);",
+                        re.M)
+_SASS_LABEL = re.compile(r"^\.(L_x_\d+):\s*\n\s+/\*([0-9a-f]+)\*/", re.M)
+
+
+def loop_opcodes(sass: str) -> list[str]:
+    """Opcodes of a kernel's main loop: from the target of its longest backward branch to the
+    branch, in order. Their count per warp and per loop trip is what an issue-bound kernel's
+    time follows, so kernel changes are compared on it before they reach a GPU."""
+    lines = _SASS_LINE.findall(sass)
+    labels = {m.group(1): int(m.group(2), 16) for m in _SASS_LABEL.finditer(sass)}
+    lo = hi = 0
+    for addr, op, rest in lines:
+        target = re.search(r"\.(L_x_\d+)", rest)
+        if op.startswith("BRA") and target and target.group(1) in labels:
+            start, end = labels[target.group(1)], int(addr, 16)
+            if start < end and end - start > hi - lo:
+                lo, hi = start, end
+    return [op for addr, op, _ in lines if lo <= int(addr, 16) <= hi] if hi else []
+
+
 def usage(arch: str, kernel: Any) -> dict[str, int]:
     """Resource use of one compiled kernel: registers (VGPRs on AMD), spills, shared memory."""
     base = {"shared_bytes": int(kernel.metadata.shared)}

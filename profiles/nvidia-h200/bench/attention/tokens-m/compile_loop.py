@@ -8,21 +8,16 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-
-import triton
 
 import qsa.kernels.sparse_gqa as sparse_gqa
 from qsa.kernels.common import lookup
 from qsa.presets import as_preset
-from qsa.workbench.compile_check import compiling_for, usage
+from qsa.workbench.compile_check import compiling_for, loop_opcodes, sm90_sass, usage
 from qsa.workbench.ops import Point, prepare
 from qsa.workbench.tune import with_changes
 
 SM90_SHARED_PER_SM = 228 * 1024  # each resident block also reserves 1 KiB
-NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
 CAP = int(os.environ.get("MAXNREG", "0"))
 real_lookup = sparse_gqa.lookup
 
@@ -30,26 +25,6 @@ real_lookup = sparse_gqa.lookup
 def capped_lookup(*args, **kwargs):
     cfg, kw = real_lookup(*args, **kwargs)
     return cfg, {**kw, "maxnreg": CAP} if CAP else kw
-
-
-def loop_opcodes(cubin: bytes) -> list[str]:
-    """Opcodes between the target of the longest backward branch and the branch."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True).stdout
-    lines = re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);",
-                       sass, re.M)
-    labels = {m.group(1): int(m.group(2), 16) for m in
-              re.finditer(r"^\.(L_x_\d+):\s*\n\s+/\*([0-9a-f]+)\*/", sass, re.M)}
-    lo = hi = 0
-    for addr, op, rest in lines:
-        target = re.search(r"\.(L_x_\d+)", rest)
-        if op.startswith("BRA") and target and target.group(1) in labels:
-            start, end = labels[target.group(1)], int(addr, 16)
-            if start < end and end - start > hi - lo:
-                lo, hi = start, end
-    return [op for addr, op, _ in lines if lo <= int(addr, 16) <= hi]
 
 
 sparse_gqa.lookup = capped_lookup
@@ -69,7 +44,7 @@ with compiling_for("sm90") as compiled:
             u = usage("sm90", kernel)
             per_sm = min(SM90_SHARED_PER_SM // (u["shared_bytes"] + 1024),
                          65536 // (max(u["registers"], 1) * 32 * cfg.num_warps))
-            ops = loop_opcodes(kernel.asm["cubin"])
+            ops = loop_opcodes(sm90_sass(kernel.asm["cubin"]))
             mma = sorted(set(re.findall(r"(mma\.sync[^ ]*|wgmma\.mma_async[^ ]*)",
                                         kernel.asm["ptx"])))
             print(json.dumps({"change": change, "maxnreg": CAP, **u, "programs_per_sm": per_sm,
