@@ -215,7 +215,6 @@ def store_ninf(out_row, row_ok, tile0, width, BLOCK_R: tl.constexpr, BLOCK_N: tl
 # Host side
 # ------------------------------------------------------------------------------------------------
 
-
 @dataclass(frozen=True)
 class ScoreInputs:
     """Checked arguments of one scorer call, in the form every scorer launches with."""
