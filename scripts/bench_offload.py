@@ -9,8 +9,10 @@ For each layout (BF16 caches; FP8 K/V + FP8 index; both with the BF16 draft laye
                        both strategies (one copy per range; one gather/scatter around one copy).
 Every configuration is verified (stored bytes equal the pages; restored pages equal the
 originals) before it is timed. Source block sets rotate over more than 3x the last-level cache.
-Writes results.jsonl and results.csv into --out; the target is >= 85% of the copy bandwidth of
-the same direction for 64 pages and more.
+Writes results.jsonl and results.csv into --out; the targets: >= 85% of the copy bandwidth of
+the same direction for 64 pages and more with the strategy "auto" uses (one copy for a single
+range, gather/scatter for scattered pages), and a one-page store at most 2x a one-page copy
+(`meets_target`; empty where no target applies).
 
     python scripts/bench_offload.py --out profiles/offload/h200 [--quick]
 """
@@ -33,6 +35,8 @@ from qsa.presets import get_preset
 
 LAYOUTS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8")}
 TARGET_PCT = 85.0
+BULK_PAGES = 64
+ONE_PAGE_FACTOR = 2.0  # a one-page store costs at most this many one-page copies
 MAX_SETS = 256  # rotation sets for the 1-page case (bounded arena size)
 
 
@@ -139,6 +143,19 @@ def run_layout(bench: Bench, n: int, n_sets: int, samples: int, pin: bool) -> li
     return rows
 
 
+def target_met(row: Any, copy_us: pd.Series) -> bool | None:
+    """Whether a row meets the issue's target, None where no target applies: the copies, the
+    sizes in between, and the `ranges` strategy on scattered pages (not what "auto" picks)."""
+    if row.op not in ("store", "restore"):
+        return None
+    if row.pages >= BULK_PAGES and (row.pattern, row.strategy) in (("consecutive", "auto"),
+                                                                   ("scattered", "gather")):
+        return bool(row.pct_of_pinned_copy >= TARGET_PCT)
+    if row.pages == 1 and row.op == "store":
+        return bool(row.median_us <= ONE_PAGE_FACTOR * copy_us[(row.layout, 1, "copy_d2h")])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -167,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     df["pct_of_pinned_copy"] = [100 * g / base[(lay, n, ref_op[op])]
                                 for lay, n, op, g in zip(df.layout, df.pages, df.op, df.gbps)]
     df["pct_copy_gbps"] = 100 * df.gbps / args.copy_gbps
-    df["meets_target"] = (df.pages < 64) | (df.pct_of_pinned_copy >= TARGET_PCT)
+    copy_us = df[df.op.str.startswith("copy_")].set_index(["layout", "pages", "op"]).median_us
+    df["meets_target"] = [target_met(row, copy_us) for row in df.itertuples()]
     df["device"] = info.slug if info else "cpu"
     df["preset"] = args.preset
     args.out.mkdir(parents=True, exist_ok=True)
@@ -176,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["layout", "pages", "op", "pattern", "strategy", "median_us", "gbps",
             "pct_of_pinned_copy", "meets_target"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.1f}"))
-    missed = df[~df.meets_target]
-    print(f"target >= {TARGET_PCT:.0f}% of the pinned copy for >= 64 pages: "
+    missed = df[df.meets_target.eq(False)]
+    print(f"targets (>= {TARGET_PCT:.0f}% of the pinned copy for >= {BULK_PAGES} pages with the "
+          f"default strategy; a one-page store <= {ONE_PAGE_FACTOR:g}x a one-page copy): "
           + ("met" if missed.empty else f"MISSED by {len(missed)} points (see meets_target)"))
     return 0
 

@@ -458,3 +458,51 @@ def test_gpu_restore_refusals_change_nothing(strategy):
     assert torch.equal(arena.buffer, before) and arena.num_free == 12
     dst = off.restore(stored, [15, 9, 10, 11])
     assert torch.equal(arena.pages[dst].cpu(), stored.data.view(4, -1))
+
+
+def test_copy_chunks_cover_the_set_in_order():
+    """The pipelined restore's chunks: every page once, in order, near-equal, and one chunk
+    for small sets (a chunk costs launches)."""
+    from qsa.arena.offload import MIN_CHUNK_PAGES, COPY_CHUNKS, copy_chunks
+
+    for n in (1, 7, 2 * MIN_CHUNK_PAGES - 1, 2 * MIN_CHUNK_PAGES, 64, 1000, 1024):
+        chunks = copy_chunks(n)
+        assert [a for a, _ in chunks] == [0, *[b for _, b in chunks[:-1]]] and chunks[-1][1] == n
+        sizes = [b - a for a, b in chunks]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        assert len(chunks) == max(1, min(COPY_CHUNKS, n // MIN_CHUNK_PAGES))
+    assert len(copy_chunks(2 * MIN_CHUNK_PAGES - 1)) == 1
+    assert len(copy_chunks(1024)) == COPY_CHUNKS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["ranges", "gather"])
+@pytest.mark.parametrize("chunk", ["first", "middle", "last"])
+def test_gpu_pipelined_restore_checks_every_chunk(strategy, chunk):
+    """A set large enough to restore in several chunks (each digested on a second stream while
+    the next copies): the stored bytes are the pages, a flipped bit in any chunk is refused
+    with nothing written, and the set restores bit for bit into scattered blocks."""
+    from qsa.arena.offload import copy_chunks
+
+    n = 64
+    arena = Arena.for_preset(get_preset(), 2 * n, CacheFormats("fp8", "fp8"), device="cuda")
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, dtype=torch.uint8,
+                                     device="cuda"))
+    off = PageOffload(arena, strategy)
+    src = arena.allocate(n)[::-1]  # n single-page runs
+    stored = off.store(src)
+    assert torch.equal(stored.data.view(n, -1), arena.pages[src].cpu())
+    chunks = copy_chunks(n)
+    assert len(chunks) > 2
+    a, b = {"first": chunks[0], "middle": chunks[len(chunks) // 2], "last": chunks[-1]}[chunk]
+    page = b - 1
+    bad = stored.data.clone()
+    bad[page * arena.layout.page_bytes + 777] ^= 0x40
+    before = arena.buffer.clone()
+    with pytest.raises(DigestError, match=f"first: page {page},"):
+        off.restore(dataclasses.replace(stored, data=bad))
+    assert torch.equal(arena.buffer, before) and arena.num_free == n
+    dst = torch.randperm(n, generator=torch.Generator().manual_seed(a))[:n] + n
+    got = off.restore(stored, dst.tolist())
+    assert got == dst.tolist()
+    assert torch.equal(arena.pages[got].cpu(), stored.data.view(n, -1))

@@ -285,3 +285,17 @@ def test_small_sets_fold_on_integers_to_the_same_digests(monkeypatch):
         assert np.array_equal(dg.page_digests(sums, "L", 9), got)
         assert dg.manifest_digest("L", 9, 64, got, blocks) == man
         monkeypatch.setattr(dg, "SMALL_SET", small)
+
+
+def test_expected_sums_run_the_page_digests_backwards():
+    """A restore checks the device's content sums against the sums the stored digests imply;
+    that inverse must give back every sum at every position and set size, and a digest
+    changed in any bit must imply another sum."""
+    rng = np.random.default_rng(3)
+    for n in (1, 2, dg.SMALL_SET, dg.SMALL_SET + 1, 300):
+        sums = rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False)
+        digests = dg.page_digests(sums, "L", 77)
+        assert np.array_equal(dg.expected_sums(digests, "L", 77), sums)
+        flipped = digests ^ (np.uint64(1) << rng.integers(0, 64, n).astype(np.uint64))
+        assert not np.any(dg.expected_sums(flipped, "L", 77) == sums)
+        assert not np.any(dg.expected_sums(digests, "L", 78) == sums)

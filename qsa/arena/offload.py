@@ -17,9 +17,16 @@ any bit flip are refused with the page and the reason; a refused restore changes
 
 Copies: pages of consecutive block ids form a range that moves with one copy. Scattered pages
 are gathered on the device with one index_select (store) or scattered with one index_copy_
-(restore) around a single host copy; `strategy` picks, "auto" uses one copy per range only when
-the request is a single range (scripts/bench_offload.py measures both). `qsa.arena.page_file`
-writes a stored set to disk and reads it back.
+(restore), on 8-byte words, around a single host copy; `strategy` picks, "auto" uses one copy
+per range only when the request is a single range (scripts/bench_offload.py measures both).
+`qsa.arena.page_file` writes a stored set to disk and reads it back.
+
+Overlap, because the copy is the only part that must take time (profiles/nvidia-h200/
+offload-speed/): a store issues the bulk copy, digests the pages on a second stream beside it
+and folds the digests on the host while the copy runs; a restore copies in chunks, digests each
+landed chunk on the second stream while the next one copies, and meanwhile runs the page
+digests backwards into the content sums it expects, so the check after the copy is one
+comparison.
 """
 
 from __future__ import annotations
@@ -128,11 +135,24 @@ def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
 
 def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
     """Every page of `pages` ([count, page_bytes] uint8, any device: the bytes about to be
-    restored) against its digest, then the manifest. Names the first bad page and why:
+    restored) against its digest, then the manifest; see `check_sums`."""
+    check_sums(stored, dg.host_sums([dg.content_parts(pages)]))
+
+
+def manifest_holds(stored: StoredPages) -> bool:
+    """Whether the manifest matches the set's id, page size, digests and source blocks: host
+    work only, so a restore runs it while its copy is in flight."""
+    return dg.manifest_digest(stored.layout_digest, stored.set_id, stored.page_bytes,
+                              dg.as_uint64(stored.digests),
+                              stored.source_blocks) == stored.manifest
+
+
+def check_sums(stored: StoredPages, sums: np.ndarray, manifest_ok: bool | None = None) -> None:
+    """Every page's content sum (uint64, in set order) against its digest, then the manifest
+    (`manifest_ok` when the caller checked it already). Names the first bad page and why:
     bytes of another position of the set (moved, duplicated), or bytes that match no page of
     this set (corrupt, or from another set)."""
     n = stored.count
-    sums = dg.host_sums([dg.content_parts(pages)])
     want = dg.as_uint64(stored.digests)
     got = dg.page_digests(sums, stored.layout_digest, stored.set_id)
     bad = np.flatnonzero(got != want).tolist()
@@ -155,8 +175,7 @@ def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
         raise DigestError(f"digest mismatch in {len(bad)} of {n} pages (first: page {i}, stored "
                           f"from block {stored.source_blocks[i]}): {why}; refusing to decode "
                           "the set")
-    if dg.manifest_digest(stored.layout_digest, stored.set_id, stored.page_bytes, want,
-                          stored.source_blocks) != stored.manifest:
+    if not (manifest_holds(stored) if manifest_ok is None else manifest_ok):
         raise ManifestError(f"manifest mismatch: the set of {n} pages (id {stored.set_id:016x}) "
                             "is not the one stored (its id, page size, digests or source "
                             "blocks were changed); refusing to decode it")
@@ -193,6 +212,7 @@ class PageOffload:
         self.layout: PageLayout = arena.layout
         self.strategy = strategy
         self._pin = torch.cuda.is_available() and arena.device.type == "cuda"
+        self._side: torch.cuda.Stream | None = None  # the digest's stream (`_streams`)
         for space, row in self.layout.layers():
             verify_layer_binding(self, space, row)
 
@@ -209,28 +229,57 @@ class PageOffload:
 
     def store(self, blocks: Iterable[int] | torch.Tensor,
               strategy: Strategy | None = None) -> StoredPages:
-        """Copy the pages of allocated `blocks` to host memory, in request order."""
+        """Copy the pages of allocated `blocks` to host memory, in request order; the bytes
+        are in host memory when this returns."""
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         ids = self.arena.check_blocks(blocks, state="allocated")
         if ids.size == 0:
             raise ArenaError("store: no blocks requested")
         p = self.layout.page_bytes
-        host = torch.empty(ids.size * p, dtype=torch.uint8, pin_memory=self._pin)
         pages = self.arena.pages
         runs = block_ranges(ids)
-        if self._use_ranges(runs, strategy):
-            views = [pages[a:b] for a, b, _ in runs]
-            parts = [dg.content_parts(v) for v in views]
-            for v, (a, b, at) in zip(views, runs):
-                host[at * p:(at + b - a) * p].view(b - a, p).copy_(v, non_blocking=self._pin)
+        host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
+        if self.arena.device.type != "cuda":
+            sources = ([(pages[a:b], at) for a, b, at in runs] if self._use_ranges(runs, strategy)
+                       else [(pages[torch.from_numpy(ids)], 0)])
+            for v, at in sources:
+                host[at:at + v.shape[0]].copy_(v)
+            sums = dg.host_sums([dg.content_parts(v) for v, _ in sources])
         else:
-            staged = pages.index_select(0, torch.from_numpy(ids).to(self.arena.device))
-            parts = [dg.content_parts(staged)]
-            host.view(ids.size, p).copy_(staged, non_blocking=self._pin)
-        # The sums are read back after the copies in stream order (blocking): the data is in
-        # host memory when this returns.
-        return seal(self.layout.digest, self.layout.summary(), p, host, dg.host_sums(parts),
-                    ids.tolist())
+            pending = self._copy_out(pages, ids, runs, host, self._use_ranges(runs, strategy))
+            copied = torch.cuda.current_stream(self.arena.device).record_event()
+            sums = pending.result()  # the host folds below run while the bulk copy does
+        stored = seal(self.layout.digest, self.layout.summary(), p, host.view(-1), sums,
+                      ids.tolist())
+        if self.arena.device.type == "cuda":
+            copied.synchronize()
+        return stored
+
+    def _copy_out(self, pages: torch.Tensor, ids: np.ndarray, runs: list[tuple[int, int, int]],
+                  host: torch.Tensor, ranges: bool) -> dg.PendingSums:
+        """Issue a GPU store: the copies to pinned `host` on the current stream (one per block
+        range, or one of the pages gathered on the device), the digest on a second stream
+        beside the copies (both only read), its sums on their way back to the host."""
+        main, side = self._streams()
+        if ranges:
+            sources = [pages[a:b] for a, b, _ in runs]
+            for v, (a, b, at) in zip(sources, runs):
+                host[at:at + b - a].copy_(v, non_blocking=True)
+        else:
+            idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
+            sources = [_words(pages).index_select(0, idx).view(torch.uint8)]
+            host.copy_(sources[0], non_blocking=True)
+        side.wait_event(main.record_event())  # page writes issued before, and the gather
+        with torch.cuda.stream(side):
+            pending = dg.PendingSums([dg.content_parts(v) for v in sources])
+        main.wait_stream(side)  # a gathered staging copy is released after its digest
+        return pending
+
+    def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The current stream and this offload's second stream (made once)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.arena.device)
+        return torch.cuda.current_stream(self.arena.device), self._side
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -252,26 +301,76 @@ class PageOffload:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         self.check_stored(stored)
         n, p = stored.num_pages, self.layout.page_bytes
+        # The copy to the device starts first: what follows is host work beside it.
+        staged, pending = self._stage(stored.data.view(n, p))
         if blocks is None:
             ids = self.arena.pick_free(n)
         else:
             ids = self.arena.check_blocks(blocks, state="free")
             if ids.size != n:
                 raise ArenaError(f"restore: {n} stored pages need {n} blocks, got {ids.size}")
-        staged = stored.data.view(n, p).to(self.arena.device, non_blocking=True)
-        check_digests(stored, staged)
-        pages = self.arena.pages
         runs = block_ranges(ids)
-        if self._use_ranges(runs, strategy):
+        ranges = self._use_ranges(runs, strategy)
+        idx = None if ranges else torch.from_numpy(ids).to(self.arena.device)
+        manifest_ok = manifest_holds(stored)
+        want = dg.expected_sums(dg.as_uint64(stored.digests), stored.layout_digest,
+                                stored.set_id)
+        sums = pending.result()
+        if not (manifest_ok and np.array_equal(sums, want)):
+            check_sums(stored, sums, manifest_ok)  # raises, naming the page and the reason
+        pages = self.arena.pages
+        if ranges:
             for a, b, at in runs:
                 pages[a:b].copy_(staged[at:at + b - a])
         else:
-            pages.index_copy_(0, torch.from_numpy(ids).to(self.arena.device), staged)
+            _words(pages).index_copy_(0, idx, _words(staged))
         return self.arena.claim(ids)
+
+    def _stage(self, data: torch.Tensor) -> tuple[torch.Tensor, dg.PendingSums]:
+        """Stored pages [n, page_bytes] on the arena's device, and their content sums on the
+        way back to the host. On a GPU the host copy goes in chunks, and each chunk is
+        digested on a second stream as soon as it has landed, so of the digest only the last
+        chunk's share follows the copy."""
+        dev = self.arena.device
+        if dev.type != "cuda":
+            staged = data.to(dev)
+            return staged, dg.PendingSums([dg.content_parts(staged)])
+        main, side = self._streams()
+        staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
+        parts = []
+        for a, b in copy_chunks(data.shape[0]):
+            staged[a:b].copy_(data[a:b], non_blocking=True)
+            side.wait_event(main.record_event())
+            with torch.cuda.stream(side):
+                parts.append(dg.content_parts(staged[a:b]))
+        with torch.cuda.stream(side):
+            pending = dg.PendingSums(parts)
+        main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
+        return staged, pending
 
     @staticmethod
     def _use_ranges(runs: list[tuple[int, int, int]], strategy: str) -> bool:
         return strategy == "ranges" or (strategy == "auto" and len(runs) == 1)
+
+
+# A GPU restore of at least 2 * MIN_CHUNK_PAGES pages copies in up to COPY_CHUNKS chunks, so
+# the digest of one chunk runs while the next one copies; smaller sets copy in one piece (a
+# chunk costs a copy and a digest launch of host time, 50-80 us on the H200's host).
+COPY_CHUNKS = 8
+MIN_CHUNK_PAGES = 16
+
+
+def copy_chunks(n: int) -> list[tuple[int, int]]:
+    """Page ranges [a, b) covering 0..n in order, in near-equal chunks."""
+    k = max(1, min(COPY_CHUNKS, n // MIN_CHUNK_PAGES))
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _words(pages: torch.Tensor) -> torch.Tensor:
+    """Pages [n, page_bytes] uint8 as int64 words when the page size allows: a gather or
+    scatter of 8-byte elements moves pages at copy speed, one of bytes does not."""
+    return pages.view(torch.int64) if pages.shape[-1] % 8 == 0 else pages
 
 
 def _check_strategy(strategy: str) -> str:
