@@ -38,6 +38,22 @@ def test_sparse_gqa_configs_compile_for_sm90_and_gfx950(tmp_path):
     assert df["kernel"].str.contains("FP8True").any()
 
 
+def test_the_prefill_decode_once_path_is_compiled_too(tmp_path):
+    """Long prefill contexts decode FP8/MXFP4 keys once and score the scratch with the BF16
+    entry's tiles; the smoke shapes are short, so the check forces that path once per format,
+    through the same lookups: the decode kernel and the scorer on bf16 tiles both compile."""
+    out = tmp_path / "cc.csv"
+    res = _check(out, "--arch", "sm90", "--ops", "score_prefill")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    df = pd.read_csv(out)
+    once = df[df["config"].str.startswith("keys decoded once")]
+    assert set(once["fmt"]) == {"fp8", "mxfp4"} and (once["status"] == "ok").all()
+    for fmt in ("fp8", "mxfp4"):
+        names = set(once.loc[once["fmt"] == fmt, "kernel"])
+        assert any(n.startswith(f"qsa_score_prefill_decode_FMT{fmt}") for n in names)
+        assert any(f"FMT{fmt}_TILE_FMTbf16" in n for n in names)
+
+
 def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):
     tables = tmp_path / "tables"
     shutil.copytree(TABLE_DIR, tables)

@@ -215,6 +215,49 @@ def test_prefill_row_tiles(fmt):
     assert len(set(vis[:40].tolist())) > 5  # the chunk's rows really see different prefixes
 
 
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("block_size", (16, 64))
+@pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
+def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size):
+    """FP8/MXFP4 keys decoded once into a scratch (DECODE_MIN_GROUPS) score as the in-kernel
+    tile decode does, bit for bit (both decode exactly into the dot's dtype), on ragged
+    requests behind shuffled page tables, several row tiles and key chunks past a tile's
+    horizon."""
+    p = get_preset().replace(block_size=block_size)
+    case = make_case(CaseSpec(p, (200, 420, 9), (40, 3, 5), index_format=fmt, build_kv=False,
+                              seed=5 + block_size), DEVICE)
+    once = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": 1})
+    got, ref = run("prefill", case, fmt, config=once)
+    assert_scores(got, ref)
+    in_tile, _ = run("prefill", case, fmt, config=SMALL["prefill"])
+    assert torch.equal(got, in_tile)
+
+
+def test_prefill_decode_once_threshold_and_override(monkeypatch):
+    """Decoded once from DECODE_MIN_GROUPS groups of the widest request on; the environment
+    forces either way (not for an explicit config); BF16 keys are never decoded."""
+    from qsa.kernels import score_prefill as pre
+
+    calls = []
+    real = pre.decoded_keys
+    monkeypatch.setattr(pre, "decoded_keys", lambda inp: calls.append(inp.width) or real(inp))
+    case = ragged_case("fp8", 16, seed=4)
+    width = case.batch.max_context // 4
+    at = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": width})
+    above = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": 2 * width})
+    monkeypatch.setenv(pre.DECODE_ENV, "0")  # not for explicit configs
+    on, ref = run("prefill", case, "fp8", config=at)
+    off, _ = run("prefill", case, "fp8", config=above)
+    assert calls == [width] and torch.equal(on, off)
+    assert_scores(on, ref)
+    run("prefill", case, "fp8")  # the table's entry, forced off
+    monkeypatch.setenv(pre.DECODE_ENV, "1")
+    forced, _ = run("prefill", case, "fp8")
+    run("prefill", ragged_case("bf16", 16, seed=4), "bf16")
+    assert calls == [width, width]
+    assert_scores(forced, ref)
+
+
 def test_default_configs_and_strided_blocks():
     """Table defaults, and a cache whose block dim is not packed (an arena view)."""
     fmt = "fp8"
@@ -438,6 +481,20 @@ def test_gpu_prefill_chunk(fmt):
     case = gpu_case(fmt, (24_576, 700), (2048, 64), seed=2)
     got, ref = run("prefill", case, fmt)
     assert_scores_gpu(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
+def test_gpu_prefill_decode_once(fmt):
+    """Keys decoded once into a bf16 scratch, against the reference and the in-kernel decode,
+    at the tables' tile sizes (real bf16 MMAs)."""
+    case = gpu_case(fmt, (24_576, 700), (2048, 64), seed=4)
+    base = get_config("score_prefill", "default", "bf16", 4096).config
+    for first in (1, 1 << 20):  # decoded once; decoded in the tiles
+        cfg = BlockConfig({**base.meta, "DECODE_MIN_GROUPS": first}, base.num_warps,
+                          base.num_stages)
+        got, ref = run("prefill", case, fmt, config=cfg)
+        assert_scores_gpu(got, ref)
 
 
 @pytest.mark.gpu

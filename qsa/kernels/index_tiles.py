@@ -30,8 +30,9 @@ fp32 copies of bf16 tensors, and every kernel takes the dtype it is given).
     `tl.dot_scaled` computes; it is not used because the interpreter lacks it and sm90 has no
     FP4 MMA. On gfx950, whose MFMA takes MX scales natively, it is the next step.
 * Prefill (a key tile meets hundreds of rows x heads, so decode cost is amortized): FP8 and
-  MXFP4 tiles are decoded once per tile into bf16 with the MXFP4 exponents applied
-  (`load_key_tile`; E2M1 values times powers of two are exact in bf16), and every head's dot
+  MXFP4 keys are decoded into bf16 with the MXFP4 exponents applied (`load_key_tile`; E2M1
+  values times powers of two are exact in bf16), once per call into a scratch for long
+  contexts or once per tile for short ones (`qsa.kernels.score_prefill`), and every head's dot
   runs in bf16.
 
 Keys are read through the page table with 64-bit offsets; the block dim of the cache may have any
@@ -61,7 +62,8 @@ from qsa.presets import ModelPreset
 # operands with fewer rows x heads are padded to it with masked rows.
 MIN_MMA_M = 16
 # Meta keys that steer the host-side launch plan and are not kernel arguments.
-HOST_META_KEYS = ("PROGRAMS_PER_UNIT", "MAX_TILES", "BLOCK_MH", "HOIST_Q_MIN_TILES")
+HOST_META_KEYS = ("PROGRAMS_PER_UNIT", "MAX_TILES", "BLOCK_MH", "HOIST_Q_MIN_TILES",
+                  "DECODE_MIN_GROUPS")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,6 +11,16 @@ row tiles). Hence:
   format, `index_tiles.load_key_tile`), and the q tiles of all heads are loaded once per program;
 * rows see different prefixes: a row tile reads keys only up to its largest horizon, key chunks
   past it only store -inf, and a row's groups past its own horizon are -inf.
+* FP8 and MXFP4 keys of a call whose widest request has at least DECODE_MIN_GROUPS groups (a
+  config key; without it, never; `QSA_PREFILL_DECODE_ONCE=0/1` in the environment forces
+  either way for A/B runs) are decoded once per call: a first launch writes every request's
+  keys, decoded exactly into the q dtype, to a dense scratch (the FP8 row scales beside them),
+  and the scorer runs on it as on BF16 keys, with the BF16 entry's tiles, the FP8 scale applied
+  to the score columns as before. Decoding inside the scorer repeats it for every row tile that
+  meets a key tile, and puts register-to-shared-memory stores of the decoded tile in front of
+  every MMA. At 16K rows x 64K context the scratch is 4 MiB per request; the extra launch costs
+  a few us, which short contexts notice, so they keep the in-tile decode and their own tiles
+  (profiles/nvidia-h200/bench/scorers/prefill-decode-once/).
 
 The grid is (requests x row tiles) x key chunks, so a short prefill (few row tiles) still fills
 the device and long horizons are balanced over programs.
@@ -18,21 +28,27 @@ the device and long horizons are balanced over programs.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
 from qsa.kernels.common import kernel_repr, lookup, require
-from qsa.kernels.index_tiles import (MIN_MMA_M, key_col_scale, key_rows, load_key_tile,
-                                     plan_tiles, prepare_inputs, row_visibility,
-                                     rows_per_request_bound, score_work, split_config,
-                                     store_ninf, store_scores)
+from qsa.kernels.index_tiles import (MIN_MMA_M, ScoreInputs, env_flag, key_col_scale,
+                                     key_rows, load_key_tile, plan_tiles, prepare_inputs,
+                                     row_visibility, rows_per_request_bound, score_work,
+                                     split_config, store_ninf, store_scores)
 from qsa.measure.work import Work
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset
 
 KERNEL = "score_prefill"
+DECODE_ENV = "QSA_PREFILL_DECODE_ONCE"  # forces the decode pass on (1) or off (0): A/B runs
+DECODE_BLOCK_N = 64  # groups per program of the decode pass (a copy-like pass: not tuned)
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -48,13 +64,37 @@ def _head_queries(q_ptr, row0, row_ok, stride_qr, DT: tl.constexpr, H: tl.conste
     return q
 
 
-@triton.jit(repr=kernel_repr(KERNEL, ("FMT", "H", "D", "GPB", "BLOCK_M", "BLOCK_N", "TILES",
-                                      "WARPS", "STAGES")))
+@triton.jit(repr=kernel_repr(KERNEL + "_decode", ("FMT", "D", "BLOCK_N")))
+def _decode_keys_kernel(kc_ptr, ks_ptr, bt_ptr, ctx_ptr, dk_ptr, ds_ptr, stride_kb, stride_sb,
+                        stride_bt, bt_cols, num_blocks, width_p, FMT: tl.constexpr,
+                        D: tl.constexpr, GPB: tl.constexpr, KROW: tl.constexpr,
+                        SROW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Groups of one request, decoded exactly into the scratch's dtype, at rows b * width_p + g
+    of the scratch; FP8 row scales to the scale scratch. Groups past the request's keys (or
+    on a page outside the pool) are written as zeros, like the scorer's masked loads."""
+    b = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_groups = tl.load(ctx_ptr + b) // 4
+    key_off, scale_off, ok = key_rows(bt_ptr + b.to(tl.int64) * stride_bt, g, g < n_groups,
+                                      bt_cols, num_blocks, stride_kb, stride_sb, GPB, KROW, SROW)
+    k = load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, dk_ptr.dtype.element_ty, FMT, D,
+                      BLOCK_N)
+    row = b.to(tl.int64) * width_p + g
+    live = g < width_p
+    tl.store(dk_ptr + row[:, None] * D + tl.arange(0, D)[None, :], k, mask=live[:, None])
+    if FMT == "fp8":
+        tl.store(ds_ptr + row, key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N),
+                 mask=live)
+
+
+@triton.jit(repr=kernel_repr(KERNEL, ("FMT", "TILE_FMT", "H", "D", "GPB", "BLOCK_M", "BLOCK_N",
+                                      "TILES", "WARPS", "STAGES")))
 def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr, qs_ptr,
                           pos_ptr, stride_qr, stride_kb, stride_sb, stride_bt, stride_or,
                           bt_cols, num_blocks, width, out_scale, row_tiles,
-                          FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                          GPB: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
+                          FMT: tl.constexpr, TILE_FMT: tl.constexpr, H: tl.constexpr,
+                          D: tl.constexpr, GPB: tl.constexpr, KROW: tl.constexpr,
+                          SROW: tl.constexpr,
                           HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           TILES: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr):
     b = tl.program_id(0) // row_tiles
@@ -66,8 +106,9 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
     out_row = out_ptr + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_or
     horizon = tl.max(tl.where(row_ok, vis, 0), axis=0)
     if tile0 * BLOCK_N < horizon:
-        # BF16 keys: their storage dtype; FP8/MXFP4 keys decode into the q dtype.
-        if FMT == "bf16":
+        # BF16 keys (or keys decoded by `_decode_keys_kernel`, TILE_FMT "bf16"): their storage
+        # dtype; FP8/MXFP4 tiles decode into the q dtype.
+        if TILE_FMT == "bf16":
             DT: tl.constexpr = kc_ptr.dtype.element_ty
         else:
             DT: tl.constexpr = q_ptr.dtype.element_ty
@@ -78,7 +119,7 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
             g = (tile0 + i) * BLOCK_N + n
             key_off, scale_off, ok = key_rows(bt_row, g, g < horizon, bt_cols, num_blocks,
                                               stride_kb, stride_sb, GPB, KROW, SROW)
-            k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, FMT, D,
+            k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, TILE_FMT, D,
                                        BLOCK_N))
             for h in tl.static_range(H):
                 a = tl.maximum(tl.dot(q[h], k), 0.0)
@@ -121,13 +162,52 @@ def score_prefill(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: to
         return inp.out
     cfg, launch = lookup(KERNEL, index_format, inp.rows, config)
     kw, host = split_config(cfg, launch)
+    meta = inp.common_meta()
+    tile_fmt = index_format
+    if index_format != "bf16" and decode_once(host, config, inp.width):
+        inp = decoded_keys(inp)
+        meta.update(KROW=inp.dim, SROW=1)
+        tile_fmt = "bf16"
+        if config is None:  # a decoded tile is a BF16 tile: the BF16 entry's tile config
+            kw, host = split_config(*lookup(KERNEL, "bf16", inp.rows, None))
     block_m = rows_per_tile(host["BLOCK_MH"], inp.heads, inp.dim)
     row_tiles = triton.cdiv(rmax, block_m)
     chunks, tiles = plan_tiles(batch.batch * row_tiles, inp.width, kw["BLOCK_N"],
                                host["PROGRAMS_PER_UNIT"], host["MAX_TILES"], inp.keys.device)
     _score_prefill_kernel[(batch.batch * row_tiles, chunks)](
-        *inp.common_args(), row_tiles, **inp.common_meta(), BLOCK_M=block_m, TILES=tiles, **kw)
+        *inp.common_args(), row_tiles, **meta, TILE_FMT=tile_fmt, BLOCK_M=block_m,
+        TILES=tiles, **kw)
     return inp.out
+
+
+def decode_once(host: dict[str, int], config: BlockConfig | None, width: int) -> bool:
+    """Whether FP8/MXFP4 keys are decoded to a scratch first: from the config's
+    DECODE_MIN_GROUPS groups of the widest request on (absent: never); `DECODE_ENV` forces it
+    on or off unless a config was passed explicitly."""
+    if config is None and os.environ.get(DECODE_ENV) is not None:
+        return env_flag(DECODE_ENV, False)
+    return "DECODE_MIN_GROUPS" in host and width >= host["DECODE_MIN_GROUPS"]
+
+
+def decoded_keys(inp: ScoreInputs) -> ScoreInputs:
+    """The call's inputs with its keys decoded once (`_decode_keys_kernel`) into a dense
+    scratch of the q dtype, addressed as a paged cache of the same groups per block whose page
+    table is the identity: the scorer reads it with the BF16 tile path."""
+    b, gpb, d, dev = inp.batch, inp.gpb, inp.dim, inp.keys.device
+    pages = triton.cdiv(inp.width, gpb)
+    blocks = b.batch * pages
+    keys = torch.empty((blocks, gpb, 1, d), dtype=inp.q.dtype, device=dev)
+    scales = (torch.empty((blocks, gpb, 1), dtype=torch.float32, device=dev)
+              if inp.fmt == "fp8" else keys)
+    table = torch.arange(blocks, dtype=torch.int32, device=dev).view(b.batch, pages)
+    meta = inp.common_meta()
+    _decode_keys_kernel[(b.batch, triton.cdiv(pages * gpb, DECODE_BLOCK_N))](
+        inp.keys, inp.scales, b.block_table, b.context_lens, keys, scales, inp.keys.stride(0),
+        inp.scales.stride(0), b.block_table.stride(0), b.block_table.shape[1], inp.num_blocks,
+        pages * gpb, FMT=inp.fmt, D=d, GPB=gpb, KROW=meta["KROW"], SROW=meta["SROW"],
+        BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_WARPS)
+    return dataclasses.replace(inp, keys=keys, scales=scales,
+                               batch=dataclasses.replace(b, block_table=table))
 
 
 def work(batch: PagedBatch, preset: ModelPreset, index_format: str, q_itemsize: int = 2) -> Work:

@@ -250,21 +250,37 @@ def check(arch: str, ops_filter: set[str] | None = None) -> list[dict[str, Any]]
             if not entries:
                 continue
             prep = prepare(point, "cpu")
-            for table_arch, fmt, bucket, cfg, measured in entries:
-                head = {"arch": arch, "op": point.op, "table_arch": table_arch, "fmt": fmt,
-                        "bucket": bucket, "config": json.dumps(cfg.as_dict(), sort_keys=True),
-                        **{k: v for k, v in point.as_record().items() if k != "preset"}}
+            record = {k: v for k, v in point.as_record().items() if k != "preset"}
+
+            def compile_rows(head: dict[str, Any], cfg: Any, measured: bool) -> None:
                 compiled.clear()
                 try:
                     prep.call(0, cfg)
                 except Exception as e:  # a config that does not compile: the finding
                     rows.append({**head, "kernel": "", "status": "error",
                                  "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    continue
+                    return
                 for name, k in compiled:
                     u = usage(arch, k)
                     rows.append({**head, "kernel": name, **u,
                                  "status": _status(u, arch, measured), "error": ""})
+
+            for table_arch, fmt, bucket, cfg, measured in entries:
+                compile_rows({"arch": arch, "op": point.op, "table_arch": table_arch,
+                              "fmt": fmt, "bucket": bucket,
+                              "config": json.dumps(cfg.as_dict(), sort_keys=True), **record},
+                             cfg, measured)
+            if point.op == "score_prefill" and point.fmt != "bf16":
+                # Long contexts decode the keys once and score with the BF16 entry's tiles:
+                # that path, forced on the smoke shape, through the lookups production makes.
+                from qsa.kernels.score_prefill import DECODE_ENV
+                from qsa.workbench.ops import env_overrides
+
+                with env_overrides({DECODE_ENV: "1"}):
+                    compile_rows({"arch": arch, "op": point.op, "table_arch": arch,
+                                  "fmt": point.fmt, "bucket": 0,
+                                  "config": "keys decoded once: the table's lookups", **record},
+                                 None, False)
     return rows
 
 
