@@ -236,42 +236,45 @@ class PageOffload:
         if ids.size == 0:
             raise ArenaError("store: no blocks requested")
         p = self.layout.page_bytes
-        pages = self.arena.pages
         runs = block_ranges(ids)
         host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
+        sources = self._sources(ids, runs, self._use_ranges(runs, strategy))
+        copied = None
         if self.arena.device.type != "cuda":
-            sources = ([(pages[a:b], at) for a, b, at in runs] if self._use_ranges(runs, strategy)
-                       else [(pages[torch.from_numpy(ids)], 0)])
             for v, at in sources:
                 host[at:at + v.shape[0]].copy_(v)
             sums = dg.host_sums([dg.content_parts(v) for v, _ in sources])
         else:
-            pending = self._copy_out(pages, ids, runs, host, self._use_ranges(runs, strategy))
+            pending = self._copy_out(sources, host)
             copied = torch.cuda.current_stream(self.arena.device).record_event()
             sums = pending.result()  # the host folds below run while the bulk copy does
         stored = seal(self.layout.digest, self.layout.summary(), p, host.view(-1), sums,
                       ids.tolist())
-        if self.arena.device.type == "cuda":
+        if copied is not None:
             copied.synchronize()
         return stored
 
-    def _copy_out(self, pages: torch.Tensor, ids: np.ndarray, runs: list[tuple[int, int, int]],
-                  host: torch.Tensor, ranges: bool) -> dg.PendingSums:
-        """Issue a GPU store: the copies to pinned `host` on the current stream (one per block
-        range, or one of the pages gathered on the device), the digest on a second stream
-        beside the copies (both only read), its sums on their way back to the host."""
-        main, side = self._streams()
+    def _sources(self, ids: np.ndarray, runs: list[tuple[int, int, int]],
+                 ranges: bool) -> list[tuple[torch.Tensor, int]]:
+        """What a store copies out, with the set position of its first page: one view per
+        block range, or the pages gathered on the device in request order."""
+        pages = self.arena.pages
         if ranges:
-            sources = [pages[a:b] for a, b, _ in runs]
-            for v, (a, b, at) in zip(sources, runs):
-                host[at:at + b - a].copy_(v, non_blocking=True)
-        else:
-            idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
-            sources = [_words(pages).index_select(0, idx).view(torch.uint8)]
-            host.copy_(sources[0], non_blocking=True)
+            return [(pages[a:b], at) for a, b, at in runs]
+        idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
+        return [(_words(pages).index_select(0, idx).view(torch.uint8), 0)]
+
+    def _copy_out(self, sources: list[tuple[torch.Tensor, int]],
+                  host: torch.Tensor) -> dg.PendingSums:
+        """Issue a GPU store: the copies of `sources` to pinned `host` on the current stream,
+        the digest on a second stream beside them (both only read), its sums on their way
+        back to the host."""
+        main, side = self._streams()
+        for v, at in sources:
+            host[at:at + v.shape[0]].copy_(v, non_blocking=True)
         side.wait_event(main.record_event())  # page writes issued before, and the gather
         with torch.cuda.stream(side):
-            pending = dg.PendingSums([dg.content_parts(v) for v in sources])
+            pending = dg.PendingSums([dg.content_parts(v) for v, _ in sources])
         main.wait_stream(side)  # a gathered staging copy is released after its digest
         return pending
 
