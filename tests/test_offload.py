@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -273,6 +274,18 @@ def test_block_ranges_coalesce_in_request_order():
     assert block_ranges([4, 3]) == [(4, 5, 0), (3, 4, 1)]
 
 
+@pytest.mark.parametrize(("ids", "one_run"), [([7], True), ([3, 4, 5, 6], True),
+                                               ([3, 5, 4, 6], False), ([6, 5, 4, 3], False),
+                                               ([3, 4, 6, 7], False), ([9, 2], False)])
+def test_auto_copies_ranges_only_for_one_run(ids, one_run):
+    """"auto" copies block ranges one by one only when the request is one ascending run,
+    "ranges" always, "gather" never; the runs given are the request's."""
+    a = np.array(ids, dtype=np.int64)
+    assert (PageOffload._ranges(a, "auto") is not None) == one_run
+    assert PageOffload._ranges(a, "ranges") == block_ranges(ids)
+    assert PageOffload._ranges(a, "gather") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals: layout, truncation, digest
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +514,10 @@ def test_gpu_pipelined_restore_checks_every_chunk(strategy, chunk):
     before = arena.buffer.clone()
     with pytest.raises(DigestError, match=f"first: page {page},"):
         off.restore(dataclasses.replace(stored, data=bad))
+    assert torch.equal(arena.buffer, before) and arena.num_free == n
+    # a refusal of the host's share (busy targets), found while the first chunks copy
+    with pytest.raises(ArenaError, match="busy"):
+        off.restore(stored, src)
     assert torch.equal(arena.buffer, before) and arena.num_free == n
     dst = torch.randperm(n, generator=torch.Generator().manual_seed(a))[:n] + n
     got = off.restore(stored, dst.tolist())

@@ -263,10 +263,27 @@ def test_the_digest_kernel_matches_its_reference(pages, page_bytes):
                          generator=torch.Generator().manual_seed(pages))
     want = dg.content_sums_reference(data, dg.word_keys(page_bytes, "cpu"))
     assert torch.equal(page_content_sums(data.to(DEVICE)).cpu(), want)
-    # the offload's path: the kernel's parts added on the host, page groups in order
-    got = dg.host_sums([page_partial_sums(data[:1].to(DEVICE)),
-                        page_partial_sums(data[1:].to(DEVICE))])
+    # the offload's path: page groups digested in order into one pending set, the parts
+    # added on the host; on a GPU the kernel writes them straight into pinned host memory
+    dev = torch.device(DEVICE)
+    pending = dg.PendingSums(pages, page_bytes, dev)
+    pending.add(data[1:].to(dev), 1)
+    pending.add(data[:1].to(dev), 0)
+    got = pending.close(dev).result()
     assert np.array_equal(got, want.numpy().view(np.uint64))
+    # the kernel writes a given buffer: pinned host memory for GPU pages
+    on_gpu = dev.type == "cuda"
+    fresh = page_partial_sums(data.to(dev)).cpu()
+    out = torch.full(fresh.shape, -1, dtype=torch.int64, pin_memory=on_gpu)
+    assert page_partial_sums(data.to(dev), out) is out
+    if on_gpu:
+        torch.cuda.synchronize()
+    assert torch.equal(out, fresh)
+    with pytest.raises(ValueError, match=r"out: expected contiguous int64"):
+        page_partial_sums(data.to(dev), out[:, :1] if fresh.shape[1] > 1 else out[:0])
+    if on_gpu:
+        with pytest.raises(ValueError, match="pinned host memory"):
+            page_partial_sums(data.to(dev), torch.zeros_like(fresh))
 
 
 def test_small_sets_fold_on_integers_to_the_same_digests(monkeypatch):

@@ -36,7 +36,7 @@ from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sum
 __all__ = ["MASK64", "PendingSums", "as_int64", "as_uint64", "bind", "content_parts",
            "content_sums", "content_sums_reference", "expected_sums", "fmix64_array", "fold",
            "host_sums", "layout_word", "manifest_digest", "new_set_id", "page_digests",
-           "word_keys"]
+           "parts_per_page", "word_keys"]
 
 
 def content_sums(pages: torch.Tensor) -> torch.Tensor:
@@ -45,35 +45,54 @@ def content_sums(pages: torch.Tensor) -> torch.Tensor:
     return content_parts(pages).sum(dim=1)
 
 
-def content_parts(pages: torch.Tensor) -> torch.Tensor:
-    """The content sums in parts, int64 [n, k] on the pages' device (their sum mod 2^64 along
-    k is `content_sums`), issued without waiting. On a GPU, one pass of the Triton kernel in
+def content_parts(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The content sums in parts, int64 [n, `parts_per_page`] (their sum mod 2^64 along the
+    parts is `content_sums`), issued without waiting, into `out` when given (on a GPU it may
+    be pinned host memory) or on the pages' device. On a GPU, one pass of the Triton kernel in
     `qsa.kernels.page_digest` (keys made in the kernel); elsewhere `content_sums_reference`
     with the keys of that page size."""
-    if pages.is_cuda and pages.shape[0] > 0:
+    if pages.is_cuda:
         from qsa.kernels.page_digest import page_partial_sums
 
-        return page_partial_sums(pages)
-    return content_sums_reference(pages, _keys(pages.shape[1], str(pages.device)))[:, None]
+        return page_partial_sums(pages, out)
+    sums = content_sums_reference(pages, _keys(pages.shape[1], str(pages.device)))[:, None]
+    return sums if out is None else out.copy_(sums)
+
+
+def parts_per_page(page_bytes: int, device: torch.device) -> int:
+    """Width of `content_parts` for pages of `page_bytes` on `device`."""
+    if device.type == "cuda":
+        from qsa.kernels.page_digest import partial_count
+
+        return partial_count(page_bytes)
+    return 1
 
 
 class PendingSums:
-    """Content sums on their way to the host. The `content_parts` results of consecutive page
-    groups are copied in one copy into pinned memory behind the device work issued so far,
-    without waiting; `result` waits for that copy alone. An offload digests its pages beside
-    the bulk copy and folds the digests on the host while the bulk copy still runs, so the
-    folds cost no wall time (profiles/nvidia-h200/offload-speed/)."""
+    """Content sums of a page set on their way to the host. `add` digests a group of the set's
+    pages on the current stream once they are ready there; on a GPU the kernel writes its parts
+    straight into pinned host memory, so no copy call is issued and nothing queues behind a
+    bulk copy on the copy engine. `close` marks the end of the digests on the current stream,
+    and `result` waits for that alone; wait for it (or for the stream) before dropping the
+    object, whose pinned buffer the kernel writes. An offload digests its pages beside the
+    bulk copy and folds the digests on the host while the bulk copy still runs, so the folds
+    cost no wall time (profiles/nvidia-h200/offload-speed/)."""
 
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
-        together = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device) -> None:
+        self._gpu = device.type == "cuda"
+        self._host = torch.empty((num_pages, parts_per_page(page_bytes, device)),
+                                 dtype=torch.int64, pin_memory=self._gpu)
         self._done: torch.cuda.Event | None = None
-        if together.is_cuda:
-            self._host = torch.empty(together.shape, dtype=together.dtype, pin_memory=True)
-            self._host.copy_(together, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(together.device))
-        else:
-            self._host = together
+
+    def add(self, pages: torch.Tensor, at: int) -> None:
+        """Digest `pages` [k, page_bytes], the set's pages at..at+k-1."""
+        content_parts(pages, self._host[at:at + pages.shape[0]])
+
+    def close(self, device: torch.device) -> PendingSums:
+        """Mark the digests issued so far on `device`'s current stream as the whole set."""
+        if self._gpu:
+            self._done = torch.cuda.current_stream(device).record_event()
+        return self
 
     def result(self) -> np.ndarray:
         """The sums, uint64 in page order (the parts added mod 2^64)."""
@@ -82,10 +101,12 @@ class PendingSums:
         return self._host.numpy().view(np.uint64).sum(axis=1, dtype=np.uint64)
 
 
-def host_sums(parts: Sequence[torch.Tensor]) -> np.ndarray:
-    """The content sums (uint64, pages in order) of `content_parts` results of consecutive
-    page groups: waits for the device work issued before."""
-    return PendingSums(parts).result()
+def host_sums(pages: torch.Tensor) -> np.ndarray:
+    """The content sums (uint64, in order) of pages [n, page_bytes] on any device: waits for
+    the device work issued before."""
+    pending = PendingSums(pages.shape[0], pages.shape[1], pages.device)
+    pending.add(pages, 0)
+    return pending.close(pages.device).result()
 
 
 @functools.lru_cache(maxsize=8)

@@ -32,10 +32,10 @@ comparison.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from qsa.arena.arena import Arena, ArenaError, PageLayout
 from qsa.presets import DEFAULT_PRESET
 
 Strategy = Literal["auto", "ranges", "gather"]
+T = TypeVar("T")
 STRATEGIES: tuple[str, ...] = ("auto", "ranges", "gather")
 
 
@@ -136,7 +137,7 @@ def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
 def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
     """Every page of `pages` ([count, page_bytes] uint8, any device: the bytes about to be
     restored) against its digest, then the manifest; see `check_sums`."""
-    check_sums(stored, dg.host_sums([dg.content_parts(pages)]))
+    check_sums(stored, dg.host_sums(pages))
 
 
 def manifest_holds(stored: StoredPages) -> bool:
@@ -184,6 +185,11 @@ def check_sums(stored: StoredPages, sums: np.ndarray, manifest_ok: bool | None =
 def _run_starts(ids: np.ndarray) -> np.ndarray:
     """Positions where a run of consecutive ids starts."""
     return np.flatnonzero(np.diff(ids, prepend=ids[:1] - 2) != 1)
+
+
+def _one_run(ids: np.ndarray) -> bool:
+    """Whether the ids are consecutive and ascending (ids are distinct)."""
+    return ids.size == 1 or bool(ids[-1] - ids[0] == ids.size - 1 and np.all(ids[1:] > ids[:-1]))
 
 
 def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
@@ -236,14 +242,15 @@ class PageOffload:
         if ids.size == 0:
             raise ArenaError("store: no blocks requested")
         p = self.layout.page_bytes
-        runs = block_ranges(ids)
         host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
-        sources = self._sources(ids, runs, self._use_ranges(runs, strategy))
+        sources = self._sources(ids, self._ranges(ids, strategy))
         copied = None
         if self.arena.device.type != "cuda":
+            pending = dg.PendingSums(ids.size, p, self.arena.device)
             for v, at in sources:
                 host[at:at + v.shape[0]].copy_(v)
-            sums = dg.host_sums([dg.content_parts(v) for v, _ in sources])
+                pending.add(v, at)
+            sums = pending.close(self.arena.device).result()
         else:
             pending = self._copy_out(sources, host)
             copied = torch.cuda.current_stream(self.arena.device).record_event()
@@ -254,12 +261,12 @@ class PageOffload:
             copied.synchronize()
         return stored
 
-    def _sources(self, ids: np.ndarray, runs: list[tuple[int, int, int]],
-                 ranges: bool) -> list[tuple[torch.Tensor, int]]:
+    def _sources(self, ids: np.ndarray,
+                 runs: list[tuple[int, int, int]] | None) -> list[tuple[torch.Tensor, int]]:
         """What a store copies out, with the set position of its first page: one view per
-        block range, or the pages gathered on the device in request order."""
+        block range (`runs`), or the pages gathered on the device in request order."""
         pages = self.arena.pages
-        if ranges:
+        if runs is not None:
             return [(pages[a:b], at) for a, b, at in runs]
         idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
         return [(_words(pages).index_select(0, idx).view(torch.uint8), 0)]
@@ -267,14 +274,19 @@ class PageOffload:
     def _copy_out(self, sources: list[tuple[torch.Tensor, int]],
                   host: torch.Tensor) -> dg.PendingSums:
         """Issue a GPU store: the copies of `sources` to pinned `host` on the current stream,
-        the digest on a second stream beside them (both only read), its sums on their way
-        back to the host."""
+        and the digest on a second stream beside them (both only read), writing its sums
+        into pinned host memory. The digest waits for the work issued before the copies (page
+        writes, the gather), not for the copies."""
         main, side = self._streams()
+        ready = main.record_event()
         for v, at in sources:
             host[at:at + v.shape[0]].copy_(v, non_blocking=True)
-        side.wait_event(main.record_event())  # page writes issued before, and the gather
+        side.wait_event(ready)
+        pending = dg.PendingSums(host.shape[0], host.shape[1], self.arena.device)
         with torch.cuda.stream(side):
-            pending = dg.PendingSums([dg.content_parts(v) for v, _ in sources])
+            for v, at in sources:
+                pending.add(v, at)
+            pending.close(self.arena.device)
         main.wait_stream(side)  # a gathered staging copy is released after its digest
         return pending
 
@@ -304,56 +316,82 @@ class PageOffload:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         self.check_stored(stored)
         n, p = stored.num_pages, self.layout.page_bytes
-        # The copy to the device starts first: what follows is host work beside it.
-        staged, pending = self._stage(stored.data.view(n, p))
-        if blocks is None:
-            ids = self.arena.pick_free(n)
-        else:
-            ids = self.arena.check_blocks(blocks, state="free")
-            if ids.size != n:
-                raise ArenaError(f"restore: {n} stored pages need {n} blocks, got {ids.size}")
-        runs = block_ranges(ids)
-        ranges = self._use_ranges(runs, strategy)
-        idx = None if ranges else torch.from_numpy(ids).to(self.arena.device)
-        manifest_ok = manifest_holds(stored)
-        want = dg.expected_sums(dg.as_uint64(stored.digests), stored.layout_digest,
-                                stored.set_id)
+
+        def plan() -> tuple[np.ndarray, list[tuple[int, int, int]] | None, bool, np.ndarray]:
+            """The host's share, run while the first chunk copies: the target blocks, how
+            they are written, the manifest, and the content sums the digests imply."""
+            if blocks is None:
+                ids = self.arena.pick_free(n)
+            else:
+                ids = self.arena.check_blocks(blocks, state="free")
+                if ids.size != n:
+                    raise ArenaError(f"restore: {n} stored pages need {n} blocks, got "
+                                     f"{ids.size}")
+            want = dg.expected_sums(dg.as_uint64(stored.digests), stored.layout_digest,
+                                    stored.set_id)
+            return ids, self._ranges(ids, strategy), manifest_holds(stored), want
+
+        staged, pending, (ids, runs, manifest_ok, want) = self._stage(stored.data.view(n, p),
+                                                                      plan)
         sums = pending.result()
         if not (manifest_ok and np.array_equal(sums, want)):
             check_sums(stored, sums, manifest_ok)  # raises, naming the page and the reason
         pages = self.arena.pages
-        if ranges:
+        if runs:
             for a, b, at in runs:
                 pages[a:b].copy_(staged[at:at + b - a])
         else:
+            # non_blocking: a pageable copy of the ids, not a wait for the work before it
+            idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
             _words(pages).index_copy_(0, idx, _words(staged))
         return self.arena.claim(ids)
 
-    def _stage(self, data: torch.Tensor) -> tuple[torch.Tensor, dg.PendingSums]:
-        """Stored pages [n, page_bytes] on the arena's device, and their content sums on the
-        way back to the host. On a GPU the host copy goes in chunks, and each chunk is
-        digested on a second stream as soon as it has landed, so of the digest only the last
-        chunk's share follows the copy."""
+    def _stage(self, data: torch.Tensor,
+               between: Callable[[], T]) -> tuple[torch.Tensor, dg.PendingSums, T]:
+        """Stored pages [n, page_bytes] on the arena's device, their content sums on the way
+        back to the host, and what `between` returned. On a GPU the host copy goes in chunks,
+        each digested on a second stream as soon as it has landed, so of the digest only the
+        last chunk's share follows the copy; `between` runs once half the chunks are issued
+        (with one chunk queued, the copy engine ran dry behind the host's work in a profile on
+        the H200), so the host's own work hides behind their copy."""
         dev = self.arena.device
+        pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
         if dev.type != "cuda":
             staged = data.to(dev)
-            return staged, dg.PendingSums([dg.content_parts(staged)])
+            pending.add(staged, 0)
+            return staged, pending.close(dev), between()
         main, side = self._streams()
         staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
-        parts = []
-        for a, b in copy_chunks(data.shape[0]):
+        planned = None
+        chunks = copy_chunks(data.shape[0])
+        for i, (a, b) in enumerate(chunks):
             staged[a:b].copy_(data[a:b], non_blocking=True)
             side.wait_event(main.record_event())
             with torch.cuda.stream(side):
-                parts.append(dg.content_parts(staged[a:b]))
+                pending.add(staged[a:b], a)
+            if i == (len(chunks) - 1) // 2:  # half the copy queued: the host work hides in it
+                try:
+                    planned = between()
+                except BaseException:
+                    # the digest writes pinned memory that is freed with `pending`: let it
+                    # finish before the refusal propagates
+                    side.synchronize()
+                    raise
         with torch.cuda.stream(side):
-            pending = dg.PendingSums(parts)
+            pending.close(dev)
         main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
-        return staged, pending
+        return staged, pending, planned
 
     @staticmethod
-    def _use_ranges(runs: list[tuple[int, int, int]], strategy: str) -> bool:
-        return strategy == "ranges" or (strategy == "auto" and len(runs) == 1)
+    def _ranges(ids: np.ndarray, strategy: str) -> list[tuple[int, int, int]] | None:
+        """The block ranges to copy one by one, or None to gather or scatter: "auto" copies
+        ranges only when the blocks are one run (checked without building the runs, which
+        costs about 1 us a range on the host)."""
+        if strategy == "ranges":
+            return block_ranges(ids)
+        if strategy == "auto" and _one_run(ids):
+            return [(int(ids[0]), int(ids[-1]) + 1, 0)]
+        return None
 
 
 # A GPU restore of at least 2 * MIN_CHUNK_PAGES pages copies in up to COPY_CHUNKS chunks, so

@@ -52,10 +52,17 @@ def page_content_sums(pages: torch.Tensor) -> torch.Tensor:
     return page_partial_sums(pages).sum(dim=1)  # int64 sums wrap: the same as one sum mod 2^64
 
 
-def page_partial_sums(pages: torch.Tensor) -> torch.Tensor:
+def partial_count(page_bytes: int) -> int:
+    """How many partial sums `page_partial_sums` gives a page of `page_bytes`."""
+    return triton.cdiv(page_bytes // 8, BLOCK_WORDS)
+
+
+def page_partial_sums(pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [n, chunks]: each page's content sum in parts (one per program), whose sum mod
     2^64 is the page's. A caller that reads the sums on the host adds the parts there, which
-    saves a reduction launch (host time decides a small offload)."""
+    saves a reduction launch (host time decides a small offload). `out` may be pinned host
+    memory, which the kernel then writes directly (mapped memory: no copy call, and nothing
+    waits behind a bulk copy on the copy engine)."""
     if pages.dim() != 2 or pages.dtype != torch.uint8 or pages.stride(1) != 1 \
             or pages.shape[1] % 8:
         raise ValueError(f"pages: expected uint8 [n, page_bytes] with contiguous rows and "
@@ -63,9 +70,17 @@ def page_partial_sums(pages: torch.Tensor) -> torch.Tensor:
                          f"{tuple(pages.shape)} strides {pages.stride()}")
     words = pages.contiguous().view(torch.int64)
     n, per_page = words.shape
-    chunks = triton.cdiv(per_page, BLOCK_WORDS)
-    partial = torch.empty((n, chunks), dtype=torch.int64, device=pages.device)
+    chunks = partial_count(pages.shape[1])
+    shape = (n, chunks)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int64, device=pages.device)
+    elif (tuple(out.shape) != shape or out.dtype != torch.int64 or not out.is_contiguous()
+          or not (out.device == pages.device or (pages.is_cuda and out.is_pinned()))):
+        where = "pinned host memory" if out.is_pinned() else str(out.device)
+        raise ValueError(f"out: expected contiguous int64 {list(shape)} on {pages.device} or, "
+                         f"for GPU pages, in pinned host memory; got {out.dtype} "
+                         f"{tuple(out.shape)} in {where}")
     if n:
-        _content_sum_kernel[(n, chunks)](words, partial, per_page, chunks, BLOCK=BLOCK_WORDS,
+        _content_sum_kernel[(n, chunks)](words, out, per_page, chunks, BLOCK=BLOCK_WORDS,
                                          num_warps=NUM_WARPS)
-    return partial
+    return out
