@@ -366,6 +366,21 @@ def test_a_tuned_entry_is_the_one_the_kernel_then_runs(op, monkeypatch, tmp_path
     assert choice.tuned and choice.bucket == int(df["bucket"].iloc[0])
 
 
+def test_tuning_a_call_that_borrows_another_entry_is_refused_with_the_reason(monkeypatch):
+    """FP8 prefill keys decoded once are scored with the BF16 entry's tiles: the call reads
+    two entries, a winner written to either would not be what this call alone runs, so the
+    tuner refuses and says why instead of tuning one of them."""
+    from qsa.kernels.score_prefill import DECODE_ENV
+    from qsa.workbench.ops import Point, config_coordinate, prepare
+
+    prep = prepare(Point("score_prefill", TINY, 1, 160, 8, "fp8", "bf16"))
+    assert config_coordinate(prep).fmt == "fp8"  # in-tile decode: the FP8 entry alone
+    monkeypatch.setenv(DECODE_ENV, "1")
+    with pytest.raises(RuntimeError, match=r"saw \[\('score_prefill', 'bf16'.*'fp8'.*BF16 "
+                                           r"entry's tiles"):
+        config_coordinate(prep)
+
+
 def test_step_comparison_of_format_pairs(tmp_path):
     """Side-by-side steps: speedups against the first pair, and the figure is written."""
     def frame(idx, kv, attn):

@@ -422,8 +422,13 @@ def config_coordinate(prep: Prepared) -> Lookup:
         prep.check(None)
     found = {(s.kernel, s.fmt, s.size): s for s in seen if s.kernel == kernel}
     if len(found) != 1:
+        why = ("" if len(found) < 2 else
+               ": the call reads more than one table entry, so no single entry decides its "
+               "speed (score_prefill scores FP8/MXFP4 keys from their entry's "
+               "DECODE_MIN_GROUPS groups on with the BF16 entry's tiles); tune the entry it "
+               "borrows, or a shape below that threshold for the format's own entry")
         raise RuntimeError(f"{prep.point.op}: expected one config lookup of {kernel!r}, "
-                           f"saw {sorted(found) or 'none'}")
+                           f"saw {sorted(found) or 'none'}{why}")
     return next(iter(found.values()))
 
 
