@@ -79,19 +79,19 @@ class PendingSums:
     cost no wall time (profiles/nvidia-h200/offload-speed/)."""
 
     def __init__(self, num_pages: int, page_bytes: int, device: torch.device) -> None:
-        self._gpu = device.type == "cuda"
+        self._device = device
         self._host = torch.empty((num_pages, parts_per_page(page_bytes, device)),
-                                 dtype=torch.int64, pin_memory=self._gpu)
+                                 dtype=torch.int64, pin_memory=device.type == "cuda")
         self._done: torch.cuda.Event | None = None
 
     def add(self, pages: torch.Tensor, at: int) -> None:
         """Digest `pages` [k, page_bytes], the set's pages at..at+k-1."""
         content_parts(pages, self._host[at:at + pages.shape[0]])
 
-    def close(self, device: torch.device) -> PendingSums:
-        """Mark the digests issued so far on `device`'s current stream as the whole set."""
-        if self._gpu:
-            self._done = torch.cuda.current_stream(device).record_event()
+    def close(self) -> PendingSums:
+        """Mark the digests issued so far on the device's current stream as the whole set."""
+        if self._device.type == "cuda":
+            self._done = torch.cuda.current_stream(self._device).record_event()
         return self
 
     def result(self) -> np.ndarray:
@@ -106,7 +106,7 @@ def host_sums(pages: torch.Tensor) -> np.ndarray:
     the device work issued before."""
     pending = PendingSums(pages.shape[0], pages.shape[1], pages.device)
     pending.add(pages, 0)
-    return pending.close(pages.device).result()
+    return pending.close().result()
 
 
 @functools.lru_cache(maxsize=8)

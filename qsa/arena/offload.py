@@ -187,11 +187,6 @@ def _run_starts(ids: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.diff(ids, prepend=ids[:1] - 2) != 1)
 
 
-def _one_run(ids: np.ndarray) -> bool:
-    """Whether the ids are consecutive and ascending (ids are distinct)."""
-    return ids.size == 1 or bool(ids[-1] - ids[0] == ids.size - 1 and np.all(ids[1:] > ids[:-1]))
-
-
 def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids in request order: (first block, end block, position in request).
 
@@ -250,7 +245,7 @@ class PageOffload:
             for v, at in sources:
                 host[at:at + v.shape[0]].copy_(v)
                 pending.add(v, at)
-            sums = pending.close(self.arena.device).result()
+            sums = pending.close().result()
         else:
             pending = self._copy_out(sources, host)
             copied = torch.cuda.current_stream(self.arena.device).record_event()
@@ -286,7 +281,7 @@ class PageOffload:
         with torch.cuda.stream(side):
             for v, at in sources:
                 pending.add(v, at)
-            pending.close(self.arena.device)
+            pending.close()
         main.wait_stream(side)  # a gathered staging copy is released after its digest
         return pending
 
@@ -359,7 +354,7 @@ class PageOffload:
         if dev.type != "cuda":
             staged = data.to(dev)
             pending.add(staged, 0)
-            return staged, pending.close(dev), between()
+            return staged, pending.close(), between()
         main, side = self._streams()
         staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
         planned = None
@@ -378,7 +373,7 @@ class PageOffload:
                     side.synchronize()
                     raise
         with torch.cuda.stream(side):
-            pending.close(dev)
+            pending.close()
         main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
         return staged, pending, planned
 
@@ -389,7 +384,7 @@ class PageOffload:
         costs about 1 us a range on the host)."""
         if strategy == "ranges":
             return block_ranges(ids)
-        if strategy == "auto" and _one_run(ids):
+        if strategy == "auto" and _run_starts(ids).size == 1:
             return [(int(ids[0]), int(ids[-1]) + 1, 0)]
         return None
 
