@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qsa.arena import (ALIGNMENT, Arena, ArenaError, CacheFormats, PageLayout,
                        declare_row_spaces)
+from qsa.arena import arena as arena_module
 from qsa.presets import get_preset
 
 # The five cache-format cases of the issue: (KV, index).
@@ -191,6 +194,27 @@ def test_bad_block_requests_are_named_and_change_nothing(call, args, match):
     with pytest.raises(ArenaError, match=match):
         getattr(arena, call)(*args)
     assert _state(arena) == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(-2, 9), max_size=20),
+       state=st.sampled_from([None, "free", "allocated", "busy"]))
+def test_short_id_lists_are_checked_like_arrays(ids, state):
+    """Short lists of ids take a Python-int fast path (host time of a one-page offload); it
+    must accept exactly what the array path accepts, and leave refusals to it."""
+    arena = Arena.for_preset(SMALL, 8, CacheFormats())
+    arena.claim([1, 2, 5])
+
+    def outcome(blocks):
+        try:
+            return arena.check_blocks(blocks, state=state).tolist()
+        except ArenaError as exc:
+            return str(exc)
+
+    fast = [outcome(ids), outcome(tuple(ids)), outcome(np.array(ids, dtype=np.int64))]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(arena_module, "SMALL_SET", 0)  # every request on the array path
+        assert fast == [outcome(ids)] * 3
 
 
 def test_check_blocks_returns_int64_ids():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from qsa.arena import (Arena, ArenaError, BindingMismatchError, CacheFormats, DigestError,
                        LayoutMismatchError, OffloadError, PageOffload, TruncatedPagesError,
                        declare_row_spaces, offload_roundtrip_check, verify_layer_binding)
+from qsa.arena import digest as dg
 from qsa.arena.offload import block_ranges
 from qsa.cases import CaseSpec, make_case
 from qsa.paging import PagedBatch
@@ -272,6 +273,18 @@ def test_block_ranges_coalesce_in_request_order():
     assert block_ranges([5, 6, 7, 2, 3, 9]) == [(5, 8, 0), (2, 4, 3), (9, 10, 5)]
     assert block_ranges([3]) == [(3, 4, 0)]
     assert block_ranges([4, 3]) == [(4, 5, 0), (3, 4, 1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 40), min_size=1, max_size=40, unique=True))
+def test_short_requests_find_the_same_runs_on_integers(ids):
+    """Up to SMALL_SET ids, runs are found on Python ints (host time of a small offload);
+    they must be the array path's runs."""
+    fast = block_ranges(ids)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dg, "SMALL_SET", 0)
+        assert block_ranges(ids) == fast
+    assert [i for a, b, at in fast for i in range(a, b)] == ids
 
 
 @pytest.mark.parametrize(("ids", "one_run"), [([7], True), ([3, 4, 5, 6], True),

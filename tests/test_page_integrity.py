@@ -298,9 +298,14 @@ def test_small_sets_fold_on_integers_to_the_same_digests(monkeypatch):
         got = dg.page_digests(sums, "L", 9)
         assert np.array_equal(got, dg.bind(sums, np.arange(n), "L", 9, n))
         man = dg.manifest_digest("L", 9, 64, got, blocks)
+        assert dg.manifest_digest("L", 9, 64, got, tuple(blocks)) == man
+        assert dg.manifest_digest("L", 9, 64, got, np.array(blocks)) == man
+        want = dg.expected_sums(got, "L", 9)
         monkeypatch.setattr(dg, "SMALL_SET", 0)  # every size on the vector path
         assert np.array_equal(dg.page_digests(sums, "L", 9), got)
         assert dg.manifest_digest("L", 9, 64, got, blocks) == man
+        assert np.array_equal(dg.expected_sums(got, "L", 9), want)
+        assert np.array_equal(want, sums)
         monkeypatch.setattr(dg, "SMALL_SET", small)
 
 

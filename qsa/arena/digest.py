@@ -115,14 +115,19 @@ def _keys(page_bytes: int, device: str) -> torch.Tensor:
     return word_keys(page_bytes, device)
 
 
+def _shift_multiply_int(x: int, first: int, second: int) -> int:
+    """`_shift_multiply` on one Python int."""
+    x ^= x >> 33
+    x = (x * first) & MASK64
+    x ^= x >> 33
+    x = (x * second) & MASK64
+    return x ^ (x >> 33)
+
+
 def _fmix64(x: int) -> int:
     """fmix64 of one value with Python ints: the folds below hash a handful of scalars per
     set, where numpy's per-call overhead (about 1 us a call, 8 calls a mix) would dominate."""
-    x ^= x >> 33
-    x = (x * C1) & MASK64
-    x ^= x >> 33
-    x = (x * C2) & MASK64
-    return x ^ (x >> 33)
+    return _shift_multiply_int(x, C1, C2)
 
 
 # Up to this many values, the folds below run on Python integers: numpy's per-call overhead
@@ -172,14 +177,17 @@ def _fold_array(h: np.ndarray, v: np.ndarray) -> np.ndarray:
     return fmix64_array((h ^ v) * _GOLDEN)
 
 
-def _mix_sum(values: np.ndarray, tag: int) -> int:
-    """sum_i fmix64(v_i XOR key(i, tag)) mod 2^64: an order-sensitive digest of a long
-    sequence in a few vector passes (a sequential fold over thousands of pages costs ms)."""
-    keys = _mix_keys(values.size, tag)
-    if values.size <= SMALL_SET:
-        return sum(_fmix64(v ^ k) for v, k in zip(values.astype(np.uint64).tolist(),
-                                                   keys.tolist())) & MASK64
-    return int(fmix64_array(values.astype(np.uint64) ^ keys).sum(dtype=np.uint64))
+def _mix_sum(values: np.ndarray | Sequence[int], tag: int) -> int:
+    """sum_i fmix64(v_i XOR key(i, tag)) mod 2^64 of uint64 patterns: an order-sensitive
+    digest of a long sequence in a few vector passes (a sequential fold over thousands of
+    pages costs ms). Short sequences, as arrays or Python ints, go through Python ints."""
+    n = len(values)
+    if n <= SMALL_SET:
+        ints = values.tolist() if isinstance(values, np.ndarray) else values
+        return sum(_fmix64((v & MASK64) ^ k) for v, k in zip(ints, _mix_keys_ints(n, tag))) \
+            & MASK64
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=np.int64)
+    return int(fmix64_array(arr.astype(np.uint64) ^ _mix_keys(n, tag)).sum(dtype=np.uint64))
 
 
 @functools.lru_cache(maxsize=32)
@@ -188,6 +196,12 @@ def _mix_keys(n: int, tag: int) -> np.ndarray:
     keys = fmix64_array(np.arange(n, dtype=np.uint64) * _GOLDEN + _u64(SEED ^ tag))
     keys.flags.writeable = False
     return keys
+
+
+@functools.lru_cache(maxsize=32)
+def _mix_keys_ints(n: int, tag: int) -> tuple[int, ...]:
+    """`_mix_keys` as Python ints, for the short sequences `_mix_sum` folds without numpy."""
+    return tuple(_mix_keys(n, tag).tolist())
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +235,8 @@ def page_digests(sums: np.ndarray, layout_digest: str, set_id: int) -> np.ndarra
                     dtype=np.uint64)
 
 
-_C1_INV, _C2_INV, _GOLDEN_INV = (_u64(pow(c, -1, 1 << 64)) for c in (C1, C2, GOLDEN))
+C1_INV, C2_INV, GOLDEN_INV = (pow(c, -1, 1 << 64) for c in (C1, C2, GOLDEN))
+_C1_INV, _C2_INV, _GOLDEN_INV = (_u64(c) for c in (C1_INV, C2_INV, GOLDEN_INV))
 
 
 def _unmix_array(x: np.ndarray) -> np.ndarray:
@@ -237,8 +252,12 @@ def expected_sums(digests: np.ndarray, layout_digest: str, set_id: int) -> np.nd
     these while its copy is in flight, so once the device's sums arrive the check is one
     comparison."""
     n = digests.size
-    h = _fold_array(_u64(fold((layout_word(layout_digest), set_id, n))),
-                    np.arange(n, dtype=np.uint64))
+    h0 = fold((layout_word(layout_digest), set_id, n))
+    if n <= SMALL_SET:
+        return np.array([((_shift_multiply_int(d, C2_INV, C1_INV) * GOLDEN_INV) & MASK64)
+                         ^ _step(h0, i) for i, d in enumerate(digests.tolist())],
+                        dtype=np.uint64)
+    h = _fold_array(_u64(h0), np.arange(n, dtype=np.uint64))
     return (_unmix_array(digests.astype(np.uint64)) * _GOLDEN_INV) ^ h
 
 
@@ -246,9 +265,8 @@ def manifest_digest(layout_digest: str, set_id: int, page_bytes: int, digests: n
                     source_blocks: Sequence[int]) -> int:
     """The set as a whole: layout, id, page size, count, every page digest and source block,
     in order."""
-    blocks = np.asarray(source_blocks, dtype=np.int64).view(np.uint64)
     return fold((layout_word(layout_digest), set_id, page_bytes, digests.size,
-                 _mix_sum(digests, 1), blocks.size, _mix_sum(blocks, 2)))
+                 _mix_sum(digests, 1), len(source_blocks), _mix_sum(source_blocks, 2)))
 
 
 def as_int64(digests: np.ndarray) -> torch.Tensor:

@@ -26,7 +26,9 @@ offload-speed/): a store issues the bulk copy, digests the pages on a second str
 and folds the digests on the host while the copy runs; a restore copies in chunks, digests each
 landed chunk on the second stream while the next one copies, and meanwhile runs the page
 digests backwards into the content sums it expects, so the check after the copy is one
-comparison.
+comparison. A set that copies in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested
+on the current stream instead, before a store's copy and after a restore's: a few us of device
+time, where the stream calls it saves are host time, and the host decides a small offload.
 """
 
 from __future__ import annotations
@@ -182,9 +184,13 @@ def check_sums(stored: StoredPages, sums: np.ndarray, manifest_ok: bool | None =
                             "blocks were changed); refusing to decode it")
 
 
-def _run_starts(ids: np.ndarray) -> np.ndarray:
-    """Positions where a run of consecutive ids starts."""
-    return np.flatnonzero(np.diff(ids, prepend=ids[:1] - 2) != 1)
+def _run_starts(ids: np.ndarray) -> list[int]:
+    """Positions where a run of consecutive ids starts. Up to `SMALL_SET` ids on Python ints:
+    the array passes cost about 15 us of host time, more than a one-page copy's share."""
+    if ids.size <= dg.SMALL_SET:
+        v = ids.tolist()
+        return [i for i in range(len(v)) if i == 0 or v[i] != v[i - 1] + 1]
+    return np.flatnonzero(np.diff(ids, prepend=ids[:1] - 2) != 1).tolist()
 
 
 def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
@@ -193,11 +199,9 @@ def block_ranges(blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, int
     [5, 6, 7, 2, 3] -> [(5, 8, 0), (2, 4, 3)].
     """
     ids = np.asarray(blocks, dtype=np.int64)
-    if ids.size == 1:  # one page: the common small store, without the array passes
-        return [(int(ids[0]), int(ids[0]) + 1, 0)]
     starts = _run_starts(ids)
-    ends = np.append(starts[1:], ids.size)
-    return [(int(ids[s]), int(ids[e - 1]) + 1, int(s)) for s, e in zip(starts, ends)]
+    return [(int(ids[s]), int(ids[e - 1]) + 1, s)
+            for s, e in zip(starts, [*starts[1:], ids.size])]
 
 
 class PageOffload:
@@ -238,22 +242,12 @@ class PageOffload:
             raise ArenaError("store: no blocks requested")
         p = self.layout.page_bytes
         host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
-        sources = self._sources(ids, self._ranges(ids, strategy))
-        copied = None
-        if self.arena.device.type != "cuda":
-            pending = dg.PendingSums(ids.size, p, self.arena.device)
-            for v, at in sources:
-                host[at:at + v.shape[0]].copy_(v)
-                pending.add(v, at)
-            sums = pending.close().result()
-        else:
-            pending = self._copy_out(sources, host)
-            copied = torch.cuda.current_stream(self.arena.device).record_event()
-            sums = pending.result()  # the host folds below run while the bulk copy does
+        pending = self._copy_out(self._sources(ids, self._ranges(ids, strategy)), host)
+        sums = pending.result()  # on a GPU the host folds below run while the copy does
         stored = seal(self.layout.digest, self.layout.summary(), p, host.view(-1), sums,
                       ids.tolist())
-        if copied is not None:
-            copied.synchronize()
+        if self.arena.device.type == "cuda":  # the copy is the last work issued on the stream
+            torch.cuda.current_stream(self.arena.device).synchronize()
         return stored
 
     def _sources(self, ids: np.ndarray,
@@ -268,20 +262,25 @@ class PageOffload:
 
     def _copy_out(self, sources: list[tuple[torch.Tensor, int]],
                   host: torch.Tensor) -> dg.PendingSums:
-        """Issue a GPU store: the copies of `sources` to pinned `host` on the current stream,
-        and the digest on a second stream beside them (both only read), writing its sums
-        into pinned host memory. The digest waits for the work issued before the copies (page
-        writes, the gather), not for the copies."""
+        """Issue a store: the copies of `sources` to `host` (pinned on a GPU) on the current
+        stream, and their digest (both only read), whose sums a GPU writes into pinned host
+        memory. A set that copies in one piece (`copy_chunks`), and any set off the GPU, is
+        digested first, on the current stream: a few us of device time, against four stream
+        calls of host time, which decides a small store. A larger one is digested on a second
+        stream beside the copies, waiting for the work issued before them (page writes, the
+        gather), not for the copies."""
+        dev = self.arena.device
+        pending = dg.PendingSums(host.shape[0], host.shape[1], dev)
+        if dev.type != "cuda" or len(copy_chunks(host.shape[0])) == 1:
+            _digest(sources, pending)
+            _copy(sources, host)
+            return pending
         main, side = self._streams()
         ready = main.record_event()
-        for v, at in sources:
-            host[at:at + v.shape[0]].copy_(v, non_blocking=True)
+        _copy(sources, host)
         side.wait_event(ready)
-        pending = dg.PendingSums(host.shape[0], host.shape[1], self.arena.device)
         with torch.cuda.stream(side):
-            for v, at in sources:
-                pending.add(v, at)
-            pending.close()
+            _digest(sources, pending)
         main.wait_stream(side)  # a gathered staging copy is released after its digest
         return pending
 
@@ -348,7 +347,9 @@ class PageOffload:
         each digested on a second stream as soon as it has landed, so of the digest only the
         last chunk's share follows the copy; `between` runs once half the chunks are issued
         (with one chunk queued, the copy engine ran dry behind the host's work in a profile on
-        the H200), so the host's own work hides behind their copy."""
+        the H200), so the host's own work hides behind their copy. A set of one chunk is
+        digested on the current stream behind its copy, where it would run anyway, without
+        the stream calls."""
         dev = self.arena.device
         pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
         if dev.type != "cuda":
@@ -356,25 +357,32 @@ class PageOffload:
             pending.add(staged, 0)
             return staged, pending.close(), between()
         main, side = self._streams()
+        chunks = copy_chunks(data.shape[0])
+        digests = main if len(chunks) == 1 else side
         staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
         planned = None
-        chunks = copy_chunks(data.shape[0])
         for i, (a, b) in enumerate(chunks):
             staged[a:b].copy_(data[a:b], non_blocking=True)
-            side.wait_event(main.record_event())
-            with torch.cuda.stream(side):
+            if digests is main:
                 pending.add(staged[a:b], a)
+            else:
+                side.wait_event(main.record_event())
+                with torch.cuda.stream(side):
+                    pending.add(staged[a:b], a)
             if i == (len(chunks) - 1) // 2:  # half the copy queued: the host work hides in it
                 try:
                     planned = between()
                 except BaseException:
                     # the digest writes pinned memory that is freed with `pending`: let it
                     # finish before the refusal propagates
-                    side.synchronize()
+                    digests.synchronize()
                     raise
-        with torch.cuda.stream(side):
+        if digests is main:
             pending.close()
-        main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
+        else:
+            with torch.cuda.stream(side):
+                pending.close()
+            main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
         return staged, pending, planned
 
     @staticmethod
@@ -384,7 +392,7 @@ class PageOffload:
         costs about 1 us a range on the host)."""
         if strategy == "ranges":
             return block_ranges(ids)
-        if strategy == "auto" and _run_starts(ids).size == 1:
+        if strategy == "auto" and len(_run_starts(ids)) == 1:
             return [(int(ids[0]), int(ids[-1]) + 1, 0)]
         return None
 
@@ -401,6 +409,19 @@ def copy_chunks(n: int) -> list[tuple[int, int]]:
     k = max(1, min(COPY_CHUNKS, n // MIN_CHUNK_PAGES))
     bounds = [n * i // k for i in range(k + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _copy(sources: list[tuple[torch.Tensor, int]], host: torch.Tensor) -> None:
+    """Issue the copies of a store's `sources` into their places in pinned `host`."""
+    for v, at in sources:
+        host[at:at + v.shape[0]].copy_(v, non_blocking=True)
+
+
+def _digest(sources: list[tuple[torch.Tensor, int]], pending: dg.PendingSums) -> None:
+    """Digest a store's `sources` on the current stream and mark the set complete."""
+    for v, at in sources:
+        pending.add(v, at)
+    pending.close()
 
 
 def _words(pages: torch.Tensor) -> torch.Tensor:
