@@ -218,19 +218,36 @@ def test_prefill_row_tiles(fmt):
 @pytest.mark.interp_surrogate
 @pytest.mark.parametrize("block_size", (16, 64))
 @pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
-def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size):
+def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size, monkeypatch):
     """FP8/MXFP4 keys decoded once into a scratch (DECODE_MIN_GROUPS) score as the in-kernel
     tile decode does, bit for bit (both decode exactly into the dot's dtype), on ragged
     requests behind shuffled page tables, several row tiles and key chunks past a tile's
-    horizon."""
+    horizon. The scorer reads a decoded FP8 scratch's scales unmasked: they must run on, as
+    scale 1, past the last request's row over every column its tiles cover."""
+    from qsa.kernels import score_prefill as pre
+
     p = get_preset().replace(block_size=block_size)
     case = make_case(CaseSpec(p, (200, 420, 9), (40, 3, 5), index_format=fmt, build_kv=False,
                               seed=5 + block_size), DEVICE)
     once = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": 1})
+    decoded = []
+    real = pre.decoded_keys
+    monkeypatch.setattr(pre, "decoded_keys",
+                        lambda inp, span: decoded.append((span, real(inp, span))) or
+                        decoded[-1][1])
     got, ref = run("prefill", case, fmt, config=once)
     assert_scores(got, ref)
     in_tile, _ = run("prefill", case, fmt, config=SMALL["prefill"])
     assert torch.equal(got, in_tile)
+    (span, inp), = decoded
+    if fmt == "fp8":
+        width_p = inp.batch.block_table.shape[1] * inp.gpb
+        assert span > width_p, "the case should have tiles reaching past the scratch's rows"
+        flat = torch.tensor([], dtype=torch.float32, device=inp.scales.device).set_(
+            inp.scales.untyped_storage())
+        last = (inp.batch.batch - 1) * width_p
+        assert flat.numel() == last + span
+        assert (flat[inp.scales.numel():] == 1).all()
 
 
 def test_prefill_decode_once_threshold_and_override(monkeypatch):
@@ -240,7 +257,8 @@ def test_prefill_decode_once_threshold_and_override(monkeypatch):
 
     calls = []
     real = pre.decoded_keys
-    monkeypatch.setattr(pre, "decoded_keys", lambda inp: calls.append(inp.width) or real(inp))
+    monkeypatch.setattr(pre, "decoded_keys",
+                        lambda inp, span: calls.append(inp.width) or real(inp, span))
     case = ragged_case("fp8", 16, seed=4)
     width = case.batch.max_context // 4
     at = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": width})

@@ -66,12 +66,14 @@ def _head_queries(q_ptr, row0, row_ok, stride_qr, DT: tl.constexpr, H: tl.conste
 
 @triton.jit(repr=kernel_repr(KERNEL + "_decode", ("FMT", "D", "BLOCK_N")))
 def _decode_keys_kernel(kc_ptr, ks_ptr, bt_ptr, ctx_ptr, dk_ptr, ds_ptr, stride_kb, stride_sb,
-                        stride_bt, bt_cols, num_blocks, width_p, FMT: tl.constexpr,
+                        stride_bt, bt_cols, num_blocks, width_p, scale_rows, FMT: tl.constexpr,
                         D: tl.constexpr, GPB: tl.constexpr, KROW: tl.constexpr,
                         SROW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Groups of one request, decoded exactly into the scratch's dtype, at rows b * width_p + g
-    of the scratch; FP8 row scales to the scale scratch. Groups past the request's keys (or
-    on a page outside the pool) are written as zeros, like the scorer's masked loads."""
+    of the scratch; FP8 row scales to the scale scratch, whose last request's row runs on to
+    `scale_rows` (the scorer reads its scales unmasked). Groups past the request's keys (or
+    on a page outside the pool) are written as zeros with scale 1, like the scorer's masked
+    loads."""
     b = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_groups = tl.load(ctx_ptr + b) // 4
@@ -83,8 +85,9 @@ def _decode_keys_kernel(kc_ptr, ks_ptr, bt_ptr, ctx_ptr, dk_ptr, ds_ptr, stride_
     live = g < width_p
     tl.store(dk_ptr + row[:, None] * D + tl.arange(0, D)[None, :], k, mask=live[:, None])
     if FMT == "fp8":
+        last = b == tl.num_programs(0) - 1
         tl.store(ds_ptr + row, key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N),
-                 mask=live)
+                 mask=live | (last & (row < scale_rows)))
 
 
 @triton.jit(repr=kernel_repr(KERNEL, ("FMT", "TILE_FMT", "H", "D", "GPB", "BLOCK_M", "BLOCK_N",
@@ -119,6 +122,16 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
             g = (tile0 + i) * BLOCK_N + n
             key_off, scale_off, ok = key_rows(bt_row, g, g < horizon, bt_cols, num_blocks,
                                               stride_kb, stride_sb, GPB, KROW, SROW)
+            if FMT == "fp8" and TILE_FMT == "bf16":
+                # Keys decoded once: the scratch's scales are dense per request (identity page
+                # table), so read them at b * width_p + g, requested before the MMAs so their
+                # latency hides behind them. Through `key_rows`, Triton walks the page table
+                # again in the accumulator's column layout (20 loads per warp and tile, and 255
+                # registers). Unmasked, so the load vectorizes: the scratch runs on past the
+                # last request's row over every column a tile reads.
+                col = tl.load(ks_ptr + b.to(tl.int64) * bt_cols * GPB + g)  # padded: in bounds
+            else:
+                col = key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N)
             k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, TILE_FMT, D,
                                        BLOCK_N))
             for h in tl.static_range(H):
@@ -129,7 +142,7 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
                     s = a
                 else:
                     s += a
-            col = key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N) * out_scale
+            col = col * out_scale
             store_scores(out_row, g, s * col[None, :], vis, row_ok, width)
     else:
         store_ninf(out_row, row_ok, tile0, width, BLOCK_M, BLOCK_N, TILES)
@@ -164,16 +177,17 @@ def score_prefill(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: to
     kw, host = split_config(cfg, launch)
     meta = inp.common_meta()
     tile_fmt = index_format
-    if index_format != "bf16" and decode_once(host, config, inp.width):
-        inp = decoded_keys(inp)
-        meta.update(KROW=inp.dim, SROW=1)
-        tile_fmt = "bf16"
-        if config is None:  # a decoded tile is a BF16 tile: the BF16 entry's tile config
-            kw, host = split_config(*lookup(KERNEL, "bf16", inp.rows, None))
+    decode = index_format != "bf16" and decode_once(host, config, inp.width)
+    if decode and config is None:  # a decoded tile is a BF16 tile: the BF16 entry's tile config
+        kw, host = split_config(*lookup(KERNEL, "bf16", inp.rows, None))
     block_m = rows_per_tile(host["BLOCK_MH"], inp.heads, inp.dim)
     row_tiles = triton.cdiv(rmax, block_m)
     chunks, tiles = plan_tiles(batch.batch * row_tiles, inp.width, kw["BLOCK_N"],
                                host["PROGRAMS_PER_UNIT"], host["MAX_TILES"], inp.keys.device)
+    if decode:
+        inp = decoded_keys(inp, chunks * tiles * kw["BLOCK_N"])
+        meta.update(KROW=inp.dim, SROW=1)
+        tile_fmt = "bf16"
     _score_prefill_kernel[(batch.batch * row_tiles, chunks)](
         *inp.common_args(), row_tiles, **meta, TILE_FMT=tile_fmt, BLOCK_M=block_m,
         TILES=tiles, **kw)
@@ -189,23 +203,26 @@ def decode_once(host: dict[str, int], config: BlockConfig | None, width: int) ->
     return "DECODE_MIN_GROUPS" in host and width >= host["DECODE_MIN_GROUPS"]
 
 
-def decoded_keys(inp: ScoreInputs) -> ScoreInputs:
+def decoded_keys(inp: ScoreInputs, span: int) -> ScoreInputs:
     """The call's inputs with its keys decoded once (`_decode_keys_kernel`) into a dense
     scratch of the q dtype, addressed as a paged cache of the same groups per block whose page
-    table is the identity: the scorer reads it with the BF16 tile path."""
+    table is the identity: the scorer reads it with the BF16 tile path. `span`: the columns
+    the scorer's tiles cover; FP8 scales are written that far past the last request's start,
+    so the scorer reads them without a mask."""
     b, gpb, d, dev = inp.batch, inp.gpb, inp.dim, inp.keys.device
     pages = triton.cdiv(inp.width, gpb)
-    blocks = b.batch * pages
+    width_p, blocks = pages * gpb, b.batch * pages
+    scale_rows = (b.batch - 1) * width_p + max(width_p, span)
     keys = torch.empty((blocks, gpb, 1, d), dtype=inp.q.dtype, device=dev)
-    scales = (torch.empty((blocks, gpb, 1), dtype=torch.float32, device=dev)
-              if inp.fmt == "fp8" else keys)
+    scales = (torch.empty(scale_rows, dtype=torch.float32, device=dev)[:blocks * gpb]
+              .view(blocks, gpb, 1) if inp.fmt == "fp8" else keys)
     table = torch.arange(blocks, dtype=torch.int32, device=dev).view(b.batch, pages)
     meta = inp.common_meta()
-    _decode_keys_kernel[(b.batch, triton.cdiv(pages * gpb, DECODE_BLOCK_N))](
+    _decode_keys_kernel[(b.batch, triton.cdiv(max(width_p, span), DECODE_BLOCK_N))](
         inp.keys, inp.scales, b.block_table, b.context_lens, keys, scales, inp.keys.stride(0),
         inp.scales.stride(0), b.block_table.stride(0), b.block_table.shape[1], inp.num_blocks,
-        pages * gpb, FMT=inp.fmt, D=d, GPB=gpb, KROW=meta["KROW"], SROW=meta["SROW"],
-        BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_WARPS)
+        width_p, scale_rows, FMT=inp.fmt, D=d, GPB=gpb, KROW=meta["KROW"],
+        SROW=meta["SROW"], BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_WARPS)
     return dataclasses.replace(inp, keys=keys, scales=scales,
                                batch=dataclasses.replace(b, block_table=table))
 
