@@ -128,3 +128,24 @@ def test_loop_opcodes_take_the_longest_backward_branch():
 """
     assert loop_opcodes(sass) == ["LDG.E", "HMMA.16816.F32", "LOP3.LUT", "BRA"]
     assert loop_opcodes("        /*0000*/                   EXIT ;\n") == []
+
+
+def test_sm90_loops_compile_a_point_and_list_its_main_loops():
+    """`sm90_loops` compiles what a workbench point launches for sm90 (in its own process: the
+    test process runs under the interpreter) and gives each kernel's main loop; `skip` leaves
+    kernels out by name."""
+    code = ("import json; from qsa.presets import as_preset; "
+            "from qsa.workbench.compile_check import sm90_loops; "
+            "from qsa.workbench.ops import Point; "
+            "p = Point('score_prefill', as_preset('qwen3.8-flash-next'), 1, 2048, 64, "
+            "index_format='fp8'); "
+            "print(json.dumps([[(n, len(o), sum(x.startswith('HGMMA') for x in o)) "
+            "for n, _, o in sm90_loops(p, skip)] for skip in ('', 'FMTfp8')]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    every, skipped = json.loads(res.stdout.strip().splitlines()[-1])
+    (name, count, mmas), = every  # 512 groups: keys decoded in the tiles, one kernel
+    assert name.startswith("qsa_score_prefill_FMTfp8") and count > 100 and mmas > 0
+    assert skipped == []

@@ -189,6 +189,18 @@ def loop_opcodes(sass: str) -> list[str]:
     return [op for addr, op, _ in lines if lo <= int(addr, 16) <= hi] if hi else []
 
 
+def sm90_loops(point: Any, skip: str = "") -> list[tuple[str, Any, list[str]]]:
+    """(name, compiled kernel, `loop_opcodes`) of every kernel a workbench point launches,
+    compiled for sm90 on this machine (its inputs built on the CPU, nothing runs), leaving out
+    kernels whose name contains `skip`: for comparing a kernel change before it reaches a GPU."""
+    from qsa.workbench.ops import prepare
+
+    with compiling_for("sm90") as compiled:
+        prepare(point, "cpu").call(0, None)
+        return [(name, kernel, loop_opcodes(sm90_sass(kernel.asm["cubin"])))
+                for name, kernel in compiled if not (skip and skip in name)]
+
+
 def usage(arch: str, kernel: Any) -> dict[str, int]:
     """Resource use of one compiled kernel: registers (VGPRs on AMD), spills, shared memory."""
     base = {"shared_bytes": int(kernel.metadata.shared)}

@@ -9,21 +9,15 @@ import os
 
 from qsa.kernels.score_prefill import DECODE_ENV
 from qsa.presets import as_preset
-from qsa.workbench.compile_check import compiling_for, loop_opcodes, sm90_sass, usage
-from qsa.workbench.ops import Point, prepare
+from qsa.workbench.compile_check import sm90_loops, usage
+from qsa.workbench.ops import Point
 
 os.environ[DECODE_ENV] = "1"
-with compiling_for("sm90") as compiled:
-    for fmt in ("bf16", "fp8", "mxfp4"):
-        prep = prepare(Point("score_prefill", as_preset("qwen3.8-flash-next"), 1, 8192, 256,
-                             index_format=fmt), "cpu")
-        compiled.clear()
-        prep.call(0, None)
-        for name, kernel in compiled:
-            if "decode" in name:
-                continue
-            ops = loop_opcodes(sm90_sass(kernel.asm["cubin"]))
-            print(json.dumps({"fmt": fmt, "name": name, **usage("sm90", kernel),
-                              "loop_instr_per_warp": len(ops)}), flush=True)
-            print("   ", collections.Counter(o.split(".")[0] for o in ops).most_common(24),
-                  flush=True)
+for fmt in ("bf16", "fp8", "mxfp4"):
+    point = Point("score_prefill", as_preset("qwen3.8-flash-next"), 1, 8192, 256,
+                  index_format=fmt)
+    for name, kernel, ops in sm90_loops(point, skip="decode"):
+        print(json.dumps({"fmt": fmt, "name": name, **usage("sm90", kernel),
+                          "loop_instr_per_warp": len(ops)}), flush=True)
+        print("   ", collections.Counter(o.split(".")[0] for o in ops).most_common(24),
+              flush=True)

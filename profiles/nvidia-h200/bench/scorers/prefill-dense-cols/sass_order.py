@@ -4,19 +4,13 @@ its global loads, MMAs and their waits. Shows whether the column-scale loads are
 before the MMAs (latency hidden) or after the last MMA wait (latency exposed).
 Usage (TRITON_INTERPRET unset): PYTHONPATH=TREE python3 sass_order.py > OUT.txt"""
 from qsa.presets import as_preset
-from qsa.workbench.compile_check import compiling_for, loop_opcodes, sm90_sass
-from qsa.workbench.ops import Point, prepare
+from qsa.workbench.compile_check import sm90_loops
+from qsa.workbench.ops import Point
 
 KEEP = ("LDG", "HGMMA", "WARPGROUP", "BAR", "LDGSTS", "STG")
-with compiling_for("sm90") as compiled:
-    prep = prepare(Point("score_prefill", as_preset("qwen3.8-flash-next"), 1, 65536, 16384,
-                         index_format="fp8"), "cpu")
-    compiled.clear()
-    prep.call(0, None)
-    for name, kernel in compiled:
-        if "decode" in name:
-            continue
-        ops = loop_opcodes(sm90_sass(kernel.asm["cubin"]))
-        print(name, f"{len(ops)} loop instructions per warp")
-        print(" ".join(f"{i}:{o.split()[0]}" for i, o in enumerate(ops)
-                       if o.split(".")[0] in KEEP or "DEPBAR" in o))
+point = Point("score_prefill", as_preset("qwen3.8-flash-next"), 1, 65536, 16384,
+              index_format="fp8")
+for name, _, ops in sm90_loops(point, skip="decode"):
+    print(name, f"{len(ops)} loop instructions per warp")
+    print(" ".join(f"{i}:{o.split()[0]}" for i, o in enumerate(ops)
+                   if o.split(".")[0] in KEEP or "DEPBAR" in o))
