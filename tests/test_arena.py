@@ -186,6 +186,10 @@ def test_allocate_and_free_lowest_first():
     ("free", ([0, 3],), "block 3 is not allocated"),
     ("free", ([0, 0],), "appears more than once"),
     ("free", ([9],), "out of range"),
+    ("claim", ([2**70],), f"block {2**70} is out of range"),
+    ("claim", ([1, -2**64],), f"block {-2**64} is out of range"),
+    ("claim", (np.array([2**64 - 1], dtype=np.uint64),), f"block {2**64 - 1} is out of range"),
+    ("claim", (np.arange(40, dtype=np.uint64) + 2**63,), f"block {2**63} is out of range"),
 ])
 def test_bad_block_requests_are_named_and_change_nothing(call, args, match):
     arena = Arena.for_preset(SMALL, 6, CacheFormats())
@@ -197,7 +201,7 @@ def test_bad_block_requests_are_named_and_change_nothing(call, args, match):
 
 
 @settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.integers(-2, 9), max_size=20),
+@given(ids=st.lists(st.integers(-2, 9) | st.integers(-2**63, 2**63 - 1), max_size=20),
        state=st.sampled_from([None, "free", "allocated", "busy"]))
 def test_short_id_lists_are_checked_like_arrays(ids, state):
     """Short lists of ids take a Python-int fast path (host time of a one-page offload); it

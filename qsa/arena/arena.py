@@ -262,29 +262,34 @@ class Arena:
                      state: str | None = None) -> np.ndarray:
         """Validate block ids (integers, in range, distinct, optionally all 'free' or all
         'allocated'); return them as int64. Raises ArenaError naming the first bad id."""
-        if isinstance(blocks, np.ndarray) and blocks.ndim == 1 and blocks.dtype.kind in "iu" \
-                and blocks.size <= SMALL_SET:
-            blocks = blocks.tolist()
-        if isinstance(blocks, (list, tuple)) and self._few_ids_ok(blocks, state):
-            return np.array(blocks, dtype=np.int64)
+        few = (blocks.tolist() if isinstance(blocks, np.ndarray) and blocks.ndim == 1
+               and blocks.dtype.kind in "iu" and blocks.size <= SMALL_SET else blocks)
+        if isinstance(few, (list, tuple)) and self._few_ids_ok(few, state):
+            return np.array(few, dtype=np.int64)
         if isinstance(blocks, torch.Tensor):
             if blocks.dtype.is_floating_point or blocks.dtype.is_complex \
                     or blocks.dtype == torch.bool:
                 raise ArenaError(f"block ids must be integers, got a {blocks.dtype} tensor")
             ids = blocks.detach().flatten().cpu().numpy().astype(np.int64)
         elif isinstance(blocks, np.ndarray) and blocks.dtype.kind in "iu":
-            ids = blocks.ravel().astype(np.int64)
+            flat = blocks.ravel()
+            if flat.dtype.kind == "u" and flat.size and flat.max() >= self.num_blocks:
+                raise self._out_of_range(int(flat[flat >= self.num_blocks][0]))  # before int64
+            ids = flat.astype(np.int64)
         else:
             items = list(blocks)
             if not all(type(b) is int for b in items):  # the fast check; the loop names the bad id
                 for b in items:
                     if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
                         raise ArenaError(f"block id {b!r} is not an integer")
-            ids = np.asarray(items, dtype=np.int64)
+            try:
+                ids = np.asarray(items, dtype=np.int64)
+            except OverflowError:  # beyond int64: name it rather than fail in numpy
+                raise self._out_of_range(next(int(b) for b in items
+                                              if not -2**63 <= int(b) < 2**63)) from None
         bad = ids[(ids < 0) | (ids >= self.num_blocks)]
         if bad.size:
-            raise ArenaError(f"block {int(bad[0])} is out of range: the arena has "
-                             f"{self.num_blocks} blocks (0..{self.num_blocks - 1})")
+            raise self._out_of_range(int(bad[0]))
         if ids.size > 1:
             ordered = np.sort(ids)
             twice = ordered[1:][ordered[1:] == ordered[:-1]]
@@ -302,6 +307,10 @@ class Arena:
         elif state is not None:
             raise ArenaError(f"state must be 'free', 'allocated' or None, got {state!r}")
         return ids
+
+    def _out_of_range(self, block: int) -> ArenaError:
+        return ArenaError(f"block {block} is out of range: the arena has {self.num_blocks} "
+                          f"blocks (0..{self.num_blocks - 1})")
 
     def _few_ids_ok(self, items: Sequence[Any], state: str | None) -> bool:
         """Whether a short list of ids passes every check of `check_blocks`, on Python ints:
