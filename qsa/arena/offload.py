@@ -33,6 +33,7 @@ time, where the stream calls it saves are host time, and the host decides a smal
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -358,30 +359,27 @@ class PageOffload:
             return staged, pending.close(), between()
         main, side = self._streams()
         chunks = copy_chunks(data.shape[0])
-        digests = main if len(chunks) == 1 else side
+        beside = len(chunks) > 1  # digest on the second stream
+        on_digests = torch.cuda.stream(side) if beside else contextlib.nullcontext()
         staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
         planned = None
         for i, (a, b) in enumerate(chunks):
             staged[a:b].copy_(data[a:b], non_blocking=True)
-            if digests is main:
-                pending.add(staged[a:b], a)
-            else:
+            if beside:
                 side.wait_event(main.record_event())
-                with torch.cuda.stream(side):
-                    pending.add(staged[a:b], a)
+            with on_digests:
+                pending.add(staged[a:b], a)
             if i == (len(chunks) - 1) // 2:  # half the copy queued: the host work hides in it
                 try:
                     planned = between()
                 except BaseException:
                     # the digest writes pinned memory that is freed with `pending`: let it
                     # finish before the refusal propagates
-                    digests.synchronize()
+                    (side if beside else main).synchronize()
                     raise
-        if digests is main:
+        with on_digests:
             pending.close()
-        else:
-            with torch.cuda.stream(side):
-                pending.close()
+        if beside:
             main.wait_stream(side)  # the arena copies, and any reuse of `staged`, come after
         return staged, pending, planned
 

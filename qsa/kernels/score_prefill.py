@@ -17,9 +17,9 @@ row tiles). Hence:
   keys, decoded exactly into the q dtype, to a dense scratch (the FP8 row scales beside them),
   and the scorer runs on it as on BF16 keys, with the BF16 entry's tiles, the FP8 scale applied
   to the score columns as before, read from the scratch's dense rows (no page-table walk) and
-  requested before the MMAs (profiles/nvidia-h200/bench/scorers/prefill-dense-cols/). Decoding inside the scorer repeats it for every row tile that
-  meets a key tile, and puts register-to-shared-memory stores of the decoded tile in front of
-  every MMA. At 16K rows x 64K context the scratch is 4 MiB per request; the extra launch costs
+  requested before the MMAs (profiles/nvidia-h200/bench/scorers/prefill-dense-cols/).
+  Decoding inside the scorer repeats it for every row tile that meets a key tile, and puts
+  register-to-shared-memory stores of the decoded tile in front of every MMA. At 16K rows x 64K context the scratch is 4 MiB per request; the extra launch costs
   a few us, which short contexts notice, so they keep the in-tile decode and their own tiles
   (profiles/nvidia-h200/bench/scorers/prefill-decode-once/).
 

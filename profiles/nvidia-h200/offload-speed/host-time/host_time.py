@@ -31,8 +31,8 @@ from qsa.presets import get_preset
 CALLS = 400
 
 
-def median_us(fn: Callable[[], object], calls: int = CALLS, after: Callable[[], object] = None
-              ) -> float:
+def median_us(fn: Callable[[], object], calls: int = CALLS,
+              after: Callable[[], object] | None = None) -> float:
     """Median host time of `fn` (after a warm-up); `after` runs untimed after each call."""
     times = []
     for i in range(calls + 20):
