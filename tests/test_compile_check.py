@@ -51,7 +51,7 @@ def test_the_prefill_decode_once_path_is_compiled_too(tmp_path):
     for fmt in ("fp8", "mxfp4"):
         names = set(once.loc[once["fmt"] == fmt, "kernel"])
         assert any(n.startswith(f"qsa_score_prefill_decode_FMT{fmt}") for n in names)
-        assert any(f"FMT{fmt}_TILE_FMTbf16" in n for n in names)
+        assert any(f"FMT{fmt}_TILE_FMTdense" in n for n in names)
 
 
 def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):

@@ -215,17 +215,44 @@ def test_prefill_row_tiles(fmt):
     assert len(set(vis[:40].tolist())) > 5  # the chunk's rows really see different prefixes
 
 
+@pytest.fixture
+def small_bf16_prefill_tiles(tmp_path, monkeypatch):
+    """Tables whose BF16 prefill entries have the small test tiles: a decoded launch takes the
+    BF16 entry's tiles whatever config the call passes, and CPU cases should span several."""
+    import json
+    import shutil
+
+    from qsa.configs import TABLE_DIR
+
+    tables = tmp_path / "tables"
+    shutil.copytree(TABLE_DIR, tables)
+    path = tables / "score_prefill.json"
+    table = json.loads(path.read_text())
+    small = SMALL["prefill"]
+    for arch in table.values():
+        arch["bf16"] = {"4096": {"meta": small.meta, "num_warps": small.num_warps,
+                                 "num_stages": small.num_stages}}
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("QSA_CONFIG_DIR", str(tables))
+
+
 @pytest.mark.interp_surrogate
 @pytest.mark.parametrize("block_size", (16, 64))
 @pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
-def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size, monkeypatch):
+def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size, monkeypatch,
+                                                     small_bf16_prefill_tiles):
     """FP8/MXFP4 keys decoded once into a scratch (DECODE_MIN_GROUPS) score as the in-kernel
     tile decode does, bit for bit (both decode exactly into the dot's dtype), on ragged
     requests behind shuffled page tables, several row tiles and key chunks past a tile's
-    horizon. The scorer reads a decoded FP8 scratch's scales unmasked: they must run on, as
-    scale 1, past the last request's row over every column its tiles cover."""
+    horizon. The decoded launch takes the BF16 table entry's tiles although the call passes
+    its own config. The scorer reads a decoded FP8 scratch's scales unmasked: they must run
+    on, as scale 1, past the last request's row over every column its tiles cover."""
     from qsa.kernels import score_prefill as pre
 
+    looked_up = []
+    real_lookup = pre.lookup
+    monkeypatch.setattr(pre, "lookup", lambda kernel, fmt_, size, config: looked_up.append(
+        (fmt_, config)) or real_lookup(kernel, fmt_, size, config))
     p = get_preset().replace(block_size=block_size)
     case = make_case(CaseSpec(p, (200, 420, 9), (40, 3, 5), index_format=fmt, build_kv=False,
                               seed=5 + block_size), DEVICE)
@@ -233,15 +260,16 @@ def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size, monkeypatc
     decoded = []
     real = pre.decoded_keys
     monkeypatch.setattr(pre, "decoded_keys",
-                        lambda inp, span: decoded.append((span, real(inp, span))) or
+                        lambda inp, span, pdl: decoded.append((span, real(inp, span, pdl))) or
                         decoded[-1][1])
     got, ref = run("prefill", case, fmt, config=once)
+    assert looked_up == [(fmt, once), ("bf16", None)]
     assert_scores(got, ref)
     in_tile, _ = run("prefill", case, fmt, config=SMALL["prefill"])
     assert torch.equal(got, in_tile)
     (span, inp), = decoded
     if fmt == "fp8":
-        width_p = inp.batch.block_table.shape[1] * inp.gpb
+        width_p = inp.dense_blocks * inp.gpb
         assert span > width_p, "the case should have tiles reaching past the scratch's rows"
         flat = torch.tensor([], dtype=torch.float32, device=inp.scales.device).set_(
             inp.scales.untyped_storage())
@@ -250,7 +278,7 @@ def test_prefill_decode_once_matches_the_tile_decode(fmt, block_size, monkeypatc
         assert (flat[inp.scales.numel():] == 1).all()
 
 
-def test_prefill_decode_once_threshold_and_override(monkeypatch):
+def test_prefill_decode_once_threshold_and_override(monkeypatch, small_bf16_prefill_tiles):
     """Decoded once from DECODE_MIN_GROUPS groups of the widest request on; the environment
     forces either way (not for an explicit config); BF16 keys are never decoded."""
     from qsa.kernels import score_prefill as pre
@@ -258,7 +286,7 @@ def test_prefill_decode_once_threshold_and_override(monkeypatch):
     calls = []
     real = pre.decoded_keys
     monkeypatch.setattr(pre, "decoded_keys",
-                        lambda inp, span: calls.append(inp.width) or real(inp, span))
+                        lambda inp, span, pdl: calls.append(inp.width) or real(inp, span, pdl))
     case = ragged_case("fp8", 16, seed=4)
     width = case.batch.max_context // 4
     at = BlockConfig({**SMALL["prefill"].meta, "DECODE_MIN_GROUPS": width})
@@ -503,16 +531,25 @@ def test_gpu_prefill_chunk(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
-def test_gpu_prefill_decode_once(fmt):
+def test_gpu_prefill_decode_once(fmt, monkeypatch):
     """Keys decoded once into a bf16 scratch, against the reference and the in-kernel decode,
-    at the tables' tile sizes (real bf16 MMAs)."""
+    at the tables' tile sizes (real bf16 MMAs). Where the scorer is a dependent launch of the
+    decode pass (sm90+), it scores bit for bit as when launched after it."""
+    from qsa.kernels import score_prefill as pre
+
     case = gpu_case(fmt, (24_576, 700), (2048, 64), seed=4)
     base = get_config("score_prefill", "default", "bf16", 4096).config
+    once = None
     for first in (1, 1 << 20):  # decoded once; decoded in the tiles
         cfg = BlockConfig({**base.meta, "DECODE_MIN_GROUPS": first}, base.num_warps,
                           base.num_stages)
         got, ref = run("prefill", case, fmt, config=cfg)
         assert_scores_gpu(got, ref)
+        once = got if once is None else once
+    monkeypatch.setattr(pre, "DECODE_PDL", False)
+    plain, _ = run("prefill", case, fmt, config=BlockConfig(
+        {**base.meta, "DECODE_MIN_GROUPS": 1}, base.num_warps, base.num_stages))
+    assert torch.equal(plain, once)
 
 
 @pytest.mark.gpu

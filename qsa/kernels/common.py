@@ -11,6 +11,10 @@ from functools import lru_cache
 from typing import Callable, Iterable, Iterator
 
 import torch
+try:  # programmatic dependent launch's device calls (PTX griddepcontrol)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton build without the NVIDIA extras: dependent launch is off there
+    gdc_launch_dependents = gdc_wait = None
 
 from qsa.configs import BlockConfig, get_config
 
@@ -39,6 +43,14 @@ def backend_and_arch() -> tuple[str, str]:
 def has_dependent_launch(backend: str, arch: str) -> bool:
     """Whether the device takes programmatic dependent launch: NVIDIA sm90 and newer."""
     return backend == "cuda" and arch.startswith("sm") and int(arch[2:]) >= 90
+
+
+def dependent_launch_here() -> bool:
+    """Whether launches on the current device can use programmatic dependent launch (the
+    interpreter runs grids one after another, so there it is off)."""
+    backend, arch = backend_and_arch()
+    return (backend != "interpreter" and gdc_wait is not None
+            and has_dependent_launch(backend, arch))
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,9 @@ class ScoreInputs:
     dim: int
     index_scale: float
     facts: BatchFacts | None  # None while a graph is captured (no data checks)
+    # Blocks per request of keys held densely (request b's group g at block row
+    # b * dense_blocks * gpb + g), read without the page table; 0: paged through the table.
+    dense_blocks: int = 0
 
     @property
     def rows(self) -> int:
@@ -250,13 +253,15 @@ class ScoreInputs:
         return self.keys.shape[1]
 
     def common_args(self) -> tuple:
-        """Pointers and strides in the order the scorer kernels take them."""
+        """Pointers and strides in the order the scorer kernels take them; for dense keys the
+        table's width is the blocks per request (the table itself is not read)."""
         b = self.batch
         return (self.q, self.keys, self.scales, self.weights if self.weights is not None else
                 self.out, self.out, b.block_table, b.context_lens, b.query_start, b.positions,
                 self.q.stride(0), self.keys.stride(0), self.scales.stride(0),
-                b.block_table.stride(0), self.out.stride(0), b.block_table.shape[1],
-                self.num_blocks, self.width, self.index_scale)
+                b.block_table.stride(0), self.out.stride(0),
+                self.dense_blocks or b.block_table.shape[1], self.num_blocks, self.width,
+                self.index_scale)
 
     def common_meta(self) -> dict:
         """Constexprs every scorer kernel takes (KROW / SROW: code and scale elements per stored

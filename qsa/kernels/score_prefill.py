@@ -15,13 +15,22 @@ row tiles). Hence:
   config key; without it, never; `QSA_PREFILL_DECODE_ONCE=0/1` in the environment forces
   either way for A/B runs) are decoded once per call: a first launch writes every request's
   keys, decoded exactly into the q dtype, to a dense scratch (the FP8 row scales beside them),
-  and the scorer runs on it as on BF16 keys, with the BF16 entry's tiles, the FP8 scale applied
-  to the score columns as before, read from the scratch's dense rows (no page-table walk) and
-  requested before the MMAs (profiles/nvidia-h200/bench/scorers/prefill-dense-cols/).
-  Decoding inside the scorer repeats it for every row tile that meets a key tile, and puts
-  register-to-shared-memory stores of the decoded tile in front of every MMA. At 16K rows x 64K context the scratch is 4 MiB per request; the extra launch costs
-  a few us, which short contexts notice, so they keep the in-tile decode and their own tiles
-  (profiles/nvidia-h200/bench/scorers/prefill-decode-once/).
+  and the scorer runs on it as on BF16 keys (TILE_FMT "dense"). Decoding inside the scorer
+  repeats it for every row tile that meets a key tile, and puts register-to-shared-memory
+  stores of the decoded tile in front of every MMA (profiles/nvidia-h200/bench/scorers/
+  prefill-decode-once/). The decoded launch:
+  - takes the BF16 table entry's tiles, also when the call passes its own config (whose tiles
+    serve the in-tile decode), so a tuner's DECODE_MIN_GROUPS candidate is timed on the launch
+    the tables would make;
+  - addresses keys and scales by request and group: no page table, so neither a table walk in
+    the scorer nor an identity table to build (one more kernel per call). With direct
+    addresses Triton's pipeliner keeps one more key buffer than through a table: at 3 stages
+    128 KiB of shared memory and one program per sm90 SM, at 2 stages 112 KiB and two
+    (profiles/nvidia-h200/bench/scorers/prefill-dense-keys/);
+  - applies the FP8 scales to the score columns, requested before the MMAs and read unmasked
+    (profiles/nvidia-h200/bench/scorers/prefill-dense-cols/);
+  - on NVIDIA sm90+, is a programmatic dependent launch of the decode pass: it launches while
+    the pass runs and loads its q tiles, then waits for the pass before its first key.
 
 The grid is (requests x row tiles) x key chunks, so a short prefill (few row tiles) still fills
 the device and long horizons are balanced over programs.
@@ -37,7 +46,8 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
-from qsa.kernels.common import kernel_repr, lookup, require
+from qsa.kernels.common import (dependent_launch_here, gdc_launch_dependents, gdc_wait,
+                                kernel_repr, lookup, require)
 from qsa.kernels.index_tiles import (MIN_MMA_M, ScoreInputs, env_flag, key_col_scale,
                                      key_rows, load_key_tile, plan_tiles, prepare_inputs,
                                      row_visibility, rows_per_request_bound, score_work,
@@ -50,6 +60,7 @@ KERNEL = "score_prefill"
 DECODE_ENV = "QSA_PREFILL_DECODE_ONCE"  # forces the decode pass on (1) or off (0): A/B runs
 DECODE_BLOCK_N = 64  # groups per program of the decode pass (a copy-like pass: not tuned)
 DECODE_WARPS = 4
+DECODE_PDL = True  # the scorer launched as a dependent of the decode pass where the device can
 
 
 @triton.jit
@@ -69,12 +80,14 @@ def _head_queries(q_ptr, row0, row_ok, stride_qr, DT: tl.constexpr, H: tl.conste
 def _decode_keys_kernel(kc_ptr, ks_ptr, bt_ptr, ctx_ptr, dk_ptr, ds_ptr, stride_kb, stride_sb,
                         stride_bt, bt_cols, num_blocks, width_p, scale_rows, FMT: tl.constexpr,
                         D: tl.constexpr, GPB: tl.constexpr, KROW: tl.constexpr,
-                        SROW: tl.constexpr, BLOCK_N: tl.constexpr):
+                        SROW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Groups of one request, decoded exactly into the scratch's dtype, at rows b * width_p + g
     of the scratch; FP8 row scales to the scale scratch, whose last request's row runs on to
     `scale_rows` (the scorer reads its scales unmasked). Groups past the request's keys (or
     on a page outside the pool) are written as zeros with scale 1, like the scorer's masked
     loads."""
+    if PDL:  # the scorer may launch now; it waits for this grid before reading the scratch
+        gdc_launch_dependents()
     b = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_groups = tl.load(ctx_ptr + b) // 4
@@ -100,7 +113,8 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
                           D: tl.constexpr, GPB: tl.constexpr, KROW: tl.constexpr,
                           SROW: tl.constexpr,
                           HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          TILES: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr):
+                          TILES: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr,
+                          PDL: tl.constexpr):
     b = tl.program_id(0) // row_tiles
     tile0 = tl.program_id(1) * TILES
     row0 = tl.load(qs_ptr + b) + (tl.program_id(0) % row_tiles) * BLOCK_M
@@ -110,30 +124,39 @@ def _score_prefill_kernel(q_ptr, kc_ptr, ks_ptr, w_ptr, out_ptr, bt_ptr, ctx_ptr
     out_row = out_ptr + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_or
     horizon = tl.max(tl.where(row_ok, vis, 0), axis=0)
     if tile0 * BLOCK_N < horizon:
-        # BF16 keys (or keys decoded by `_decode_keys_kernel`, TILE_FMT "bf16"): their storage
-        # dtype; FP8/MXFP4 tiles decode into the q dtype.
-        if TILE_FMT == "bf16":
+        # BF16 keys, or keys decoded by `_decode_keys_kernel` (TILE_FMT "dense": bf16 rows
+        # b * bt_cols * GPB + g, no page table): their storage dtype; FP8/MXFP4 tiles decode
+        # into the q dtype.
+        if TILE_FMT == "bf16" or TILE_FMT == "dense":
             DT: tl.constexpr = kc_ptr.dtype.element_ty
+            LOAD_FMT: tl.constexpr = "bf16"
         else:
             DT: tl.constexpr = q_ptr.dtype.element_ty
+            LOAD_FMT: tl.constexpr = TILE_FMT
         q = _head_queries(q_ptr, row0, row_ok, stride_qr, DT, H, D, BLOCK_M)
+        if PDL:  # q is ours; the decoded keys are not written until the decode pass ends
+            gdc_wait()
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         n = tl.arange(0, BLOCK_N)
         for i in range(TILES):
             g = (tile0 + i) * BLOCK_N + n
-            key_off, scale_off, ok = key_rows(bt_row, g, g < horizon, bt_cols, num_blocks,
-                                              stride_kb, stride_sb, GPB, KROW, SROW)
-            if FMT == "fp8" and TILE_FMT == "bf16":
-                # Keys decoded once: the scratch's scales are dense per request (identity page
-                # table), so read them at b * width_p + g, requested before the MMAs so their
-                # latency hides behind them. Through `key_rows`, Triton walks the page table
-                # again in the accumulator's column layout (20 loads per warp and tile, and 255
-                # registers). Unmasked, so the load vectorizes: the scratch runs on past the
-                # last request's row over every column a tile reads.
+            if TILE_FMT == "dense":
+                ok = g < horizon
+                key_row = b.to(tl.int64) * bt_cols * GPB + g
+                key_off, scale_off = key_row * KROW, key_row
+            else:
+                key_off, scale_off, ok = key_rows(bt_row, g, g < horizon, bt_cols, num_blocks,
+                                                  stride_kb, stride_sb, GPB, KROW, SROW)
+            if FMT == "fp8" and TILE_FMT == "dense":
+                # Requested before the MMAs so their latency hides behind them, computed in the
+                # accumulator's column layout from g alone (through a page table, Triton walks
+                # it again in that layout: 20 loads per warp and tile, and 255 registers).
+                # Unmasked, so the load vectorizes: the scratch runs on past the last request's
+                # row over every column a tile reads.
                 col = tl.load(ks_ptr + b.to(tl.int64) * bt_cols * GPB + g)  # padded: in bounds
             else:
                 col = key_col_scale(ks_ptr, scale_off, ok, FMT, False, BLOCK_N)
-            k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, TILE_FMT, D,
+            k = tl.trans(load_key_tile(kc_ptr, ks_ptr, key_off, scale_off, ok, DT, LOAD_FMT, D,
                                        BLOCK_N))
             for h in tl.static_range(H):
                 a = tl.maximum(tl.dot(q[h], k), 0.0)
@@ -179,19 +202,20 @@ def score_prefill(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: to
     meta = inp.common_meta()
     tile_fmt = index_format
     decode = index_format != "bf16" and decode_once(host, config, inp.width)
-    if decode and config is None:  # a decoded tile is a BF16 tile: the BF16 entry's tile config
+    if decode:  # a decoded tile is a BF16 tile: the BF16 entry's tiles, the call's config or not
         kw, host = split_config(*lookup(KERNEL, "bf16", inp.rows, None))
     block_m = rows_per_tile(host["BLOCK_MH"], inp.heads, inp.dim)
     row_tiles = triton.cdiv(rmax, block_m)
     chunks, tiles = plan_tiles(batch.batch * row_tiles, inp.width, kw["BLOCK_N"],
                                host["PROGRAMS_PER_UNIT"], host["MAX_TILES"], inp.keys.device)
+    pdl = decode and DECODE_PDL and dependent_launch_here()
     if decode:
-        inp = decoded_keys(inp, chunks * tiles * kw["BLOCK_N"])
+        inp = decoded_keys(inp, chunks * tiles * kw["BLOCK_N"], pdl)
         meta.update(KROW=inp.dim, SROW=1)
-        tile_fmt = "bf16"
+        tile_fmt = "dense"
     _score_prefill_kernel[(batch.batch * row_tiles, chunks)](
         *inp.common_args(), row_tiles, **meta, TILE_FMT=tile_fmt, BLOCK_M=block_m,
-        TILES=tiles, **kw)
+        TILES=tiles, PDL=pdl, **kw, **({"launch_pdl": True} if pdl else {}))
     return inp.out
 
 
@@ -204,12 +228,13 @@ def decode_once(host: dict[str, int], config: BlockConfig | None, width: int) ->
     return "DECODE_MIN_GROUPS" in host and width >= host["DECODE_MIN_GROUPS"]
 
 
-def decoded_keys(inp: ScoreInputs, span: int) -> ScoreInputs:
+def decoded_keys(inp: ScoreInputs, span: int, pdl: bool = False) -> ScoreInputs:
     """The call's inputs with its keys decoded once (`_decode_keys_kernel`) into a dense
-    scratch of the q dtype, addressed as a paged cache of the same groups per block whose page
-    table is the identity: the scorer reads it with the BF16 tile path. `span`: the columns
-    the scorer's tiles cover; FP8 scales are written that far past the last request's start,
-    so the scorer reads them without a mask."""
+    scratch of the q dtype, blocks of the same groups, request after request (`dense_blocks`
+    per request): the scorer reads it with the BF16 tile path and no page table. `span`: the
+    columns the scorer's tiles cover; FP8 scales are written that far past the last request's
+    start, so the scorer reads them without a mask. `pdl`: the next launch depends on this
+    one programmatically."""
     b, gpb, d, dev = inp.batch, inp.gpb, inp.dim, inp.keys.device
     pages = triton.cdiv(inp.width, gpb)
     width_p, blocks = pages * gpb, b.batch * pages
@@ -217,15 +242,13 @@ def decoded_keys(inp: ScoreInputs, span: int) -> ScoreInputs:
     keys = torch.empty((blocks, gpb, 1, d), dtype=inp.q.dtype, device=dev)
     scales = (torch.empty(scale_rows, dtype=torch.float32, device=dev)[:blocks * gpb]
               .view(blocks, gpb, 1) if inp.fmt == "fp8" else keys)
-    table = torch.arange(blocks, dtype=torch.int32, device=dev).view(b.batch, pages)
     meta = inp.common_meta()
     _decode_keys_kernel[(b.batch, triton.cdiv(max(width_p, span), DECODE_BLOCK_N))](
         inp.keys, inp.scales, b.block_table, b.context_lens, keys, scales, inp.keys.stride(0),
         inp.scales.stride(0), b.block_table.stride(0), b.block_table.shape[1], inp.num_blocks,
         width_p, scale_rows, FMT=inp.fmt, D=d, GPB=gpb, KROW=meta["KROW"],
-        SROW=meta["SROW"], BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_WARPS)
-    return dataclasses.replace(inp, keys=keys, scales=scales,
-                               batch=dataclasses.replace(b, block_table=table))
+        SROW=meta["SROW"], BLOCK_N=DECODE_BLOCK_N, PDL=pdl, num_warps=DECODE_WARPS)
+    return dataclasses.replace(inp, keys=keys, scales=scales, dense_blocks=pages)
 
 
 def work(batch: PagedBatch, preset: ModelPreset, index_format: str, q_itemsize: int = 2) -> Work:

@@ -54,16 +54,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton build without the NVIDIA extras: PDL is refused there anyway
-    gdc_launch_dependents = gdc_wait = None
 
 from qsa.configs import BlockConfig
 from qsa.formats import check_kv_format
 from qsa.kernels import common
-from qsa.kernels.common import (KernelInputError, kernel_repr, kv_code_planes,
-                                kv_scale_planes, lookup, require, require_dtype,
+from qsa.kernels.common import (KernelInputError, gdc_launch_dependents, gdc_wait, kernel_repr,
+                                kv_code_planes, kv_scale_planes, lookup, require, require_dtype,
                                 require_inner_contiguous, storage_dtypes, unit_count)
 from qsa.measure.work import Work
 from qsa.paging import BatchError, PagedBatch
