@@ -304,6 +304,23 @@ def test_prefill_decode_once_threshold_and_override(monkeypatch, small_bf16_pref
     assert_scores(forced, ref)
 
 
+def test_prefill_decode_pass_is_a_dependent_launch_only_where_the_device_takes_it(monkeypatch):
+    """The scorer follows the decode pass as a programmatic dependent launch on NVIDIA sm90+
+    only: never under the interpreter (grids run one after another), on older NVIDIA GPUs, on
+    ROCm, or with a Triton build that lacks the NVIDIA device calls."""
+    from qsa.kernels import common
+
+    monkeypatch.setattr(common, "gdc_wait", lambda: None)  # as in an NVIDIA build
+    for target, expected in ((("cuda", "sm90"), True), (("cuda", "sm100"), True),
+                             (("cuda", "sm80"), False), (("hip", "gfx950"), False),
+                             (("interpreter", "default"), False)):
+        monkeypatch.setattr(common, "backend_and_arch", lambda t=target: t)
+        assert common.dependent_launch_here() is expected, target
+    monkeypatch.setattr(common, "gdc_wait", None)
+    monkeypatch.setattr(common, "backend_and_arch", lambda: ("cuda", "sm90"))
+    assert not common.dependent_launch_here()
+
+
 def test_default_configs_and_strided_blocks():
     """Table defaults, and a cache whose block dim is not packed (an arena view)."""
     fmt = "fp8"
