@@ -498,14 +498,15 @@ def _check_merge_last(device: torch.device) -> None:
 
 def _use_pdl(host: dict[str, int]) -> bool:
     """Whether the launches use programmatic dependent launch (config key PDL=1): NVIDIA sm90
-    and newer (griddepcontrol); refused on ROCm and older NVIDIA GPUs. The interpreter runs
-    grids one after another whatever the key says, so there it is off."""
+    and newer (griddepcontrol); refused on ROCm, older NVIDIA GPUs and Triton builds without
+    the NVIDIA device calls. The interpreter runs grids one after another whatever the key
+    says, so there it is off."""
     if not host.get("PDL", 0):
         return False
     backend, arch = common.backend_and_arch()
     if backend == "interpreter":
         return False
-    if not common.has_dependent_launch(backend, arch):
+    if not common.dependent_launch_here():
         raise KernelInputError(f"config: PDL=1 needs programmatic dependent launch (NVIDIA "
                                f"sm90 or newer); this device is {backend} {arch}: use PDL=0")
     return True
