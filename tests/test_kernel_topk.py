@@ -11,8 +11,11 @@ import torch
 
 from qsa.cases import CaseSpec, make_batch, make_case
 from qsa.configs import BlockConfig
-from qsa.kernels.common import KernelInputError, lookup
-from qsa.kernels.topk import FORMAT, KERNEL, MAX_K, MAX_RADIX_BITS, RADIX_ENV, topk_expand, work
+from qsa.configs import load_table
+from qsa.kernels import topk as topk_module
+from qsa.kernels.common import KernelInputError, lookup, observe_lookups
+from qsa.kernels.topk import (FORMAT, FORMAT_MANY_ROWS, KERNEL, MAX_K, MAX_RADIX_BITS, RADIX_ENV,
+                              topk_expand, work)
 from qsa.paging import PagedBatch
 from qsa.presets import get_preset
 from qsa.reference.score import score_reference, visible_groups
@@ -60,6 +63,21 @@ def _check(scores: torch.Tensor, batch: PagedBatch, preset, config=None) -> torc
 # ------------------------------------------------------------------------------------------------
 # CPU (interpreter) tests
 # ------------------------------------------------------------------------------------------------
+
+def test_many_rows_read_their_own_table_entries(monkeypatch) -> None:
+    """A prefill chunk's thousands of rows and a decode call's few rows want different warps
+    at the same candidate count: from MANY_ROWS rows on, the call looks its entry up under its
+    own format key, which every arch of the table holds (a missing key would fail the call)."""
+    p = get_preset(block_size=16, topk_groups=8)
+    batch, s = _realistic(p, (130, 201), (2, 3), seed=4)
+    for many_rows, want in ((batch.num_rows + 1, FORMAT), (batch.num_rows, FORMAT_MANY_ROWS)):
+        monkeypatch.setattr(topk_module, "MANY_ROWS", many_rows)
+        with observe_lookups() as seen:
+            _check(s, batch, p)
+        assert [(x.kernel, x.fmt, x.size) for x in seen] == [(KERNEL, want, s.shape[1])]
+    for arch, by_fmt in load_table(KERNEL).items():
+        assert {FORMAT, FORMAT_MANY_ROWS} <= set(by_fmt), arch
+
 
 @ALGOS
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])

@@ -91,3 +91,16 @@ def test_same_values_is_by_value_chunked_and_on_the_tensors_device(monkeypatch):
     ints = torch.arange(12, dtype=torch.int32)
     assert ops.same_values(ints.clone(), ints)
     assert not ops.same_values(ints.flip(0), ints)
+
+
+def test_topk_points_name_the_table_key_of_their_row_count():
+    """Tuning and the compile check address top-k's entries by the key the call reads: the
+    decode key below MANY_ROWS rows, the many-rows key from there; the compile check runs
+    both keys' entries at any point."""
+    from qsa.kernels.topk import FORMAT, FORMAT_MANY_ROWS, MANY_ROWS
+
+    few = Point("topk_expand", TINY, MANY_ROWS // 4 - 1, 4096, 4)
+    many = Point("topk_expand", TINY, MANY_ROWS // 4, 4096, 4)
+    assert (few.fmt, many.fmt) == (FORMAT, FORMAT_MANY_ROWS)
+    assert few.table_formats == many.table_formats == (FORMAT, FORMAT_MANY_ROWS)
+    assert Point("score_stacked", TINY, 1, 64, 1, index_format="fp8").table_formats == ("fp8",)

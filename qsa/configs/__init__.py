@@ -1,4 +1,6 @@
-"""Block configs as data: per kernel, per arch, per storage format, per shape bucket.
+"""Block configs as data: per kernel, per arch, per storage format, per shape bucket. A kernel
+may split a format's entries by regime under its own keys (top-k: `fp32` for decode calls,
+`fp32-many-rows` for prefill chunks, `qsa.kernels.topk.MANY_ROWS`).
 
 Tables live in `qsa/configs/tables/<kernel>.json`:
     {"<arch>": {"<format>": {"<bucket>": {"meta": {...constexprs}, "num_warps": 4,

@@ -53,6 +53,12 @@ from qsa.presets import ModelPreset
 
 KERNEL = "topk"
 FORMAT = "fp32"  # the config table's format key: the scores' dtype
+# Calls of at least MANY_ROWS rows (prefill chunks) read the table under FORMAT_MANY_ROWS: with
+# many programs per SM, throughput decides and fewer warps per row win (4,096 rows x 16K
+# candidates: 4 warps 563 us, 16 warps 777 us), while a decode call's few rows are latency-bound
+# (128 rows x 16K: 4 warps 40.2 us, 16 warps 30.4 us; profiles/nvidia-h200/bench/topk/rows-axis/).
+MANY_ROWS = 2048
+FORMAT_MANY_ROWS = "fp32-many-rows"
 MAX_BATCH = 8192  # the row -> request lookup holds one lane per request
 # The final pass packs (#equal before, #greater before) into one int32: equal counts need
 # 17 bits, so at most 2^17 candidates per row and fewer than 2^14 selected groups.
@@ -231,7 +237,7 @@ def topk_expand(scores: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
     require(out.device == scores.device, f"out: on {out.device}, the scores on {scores.device}")
     if rows == 0:
         return out
-    cfg, kw = lookup(KERNEL, FORMAT, n_cols, config)
+    cfg, kw = lookup(KERNEL, table_format(rows), n_cols, config)
     require(cfg.meta.get("CHUNK", 0) >= 1 and triton.next_power_of_2(cfg.meta["CHUNK"])
             == cfg.meta["CHUNK"], f"config: meta CHUNK must be a power of two, got {cfg.meta}")
     radix = int(os.environ.get(RADIX_ENV, cfg.meta.get("RADIX_BITS", 0)) if config is None
@@ -249,6 +255,11 @@ def topk_expand(scores: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
         BLOCK_B=triton.next_power_of_2(max(batch.batch, 2)),
         BLOCK_O=triton.next_power_of_2(width), **kw)
     return out
+
+
+def table_format(rows: int) -> str:
+    """The config table's format key for a call of `rows` rows (see MANY_ROWS)."""
+    return FORMAT_MANY_ROWS if rows >= MANY_ROWS else FORMAT
 
 
 def work(preset: ModelPreset, rows: int, candidates: int) -> Work:

@@ -258,7 +258,8 @@ def check(arch: str, ops_filter: set[str] | None = None) -> list[dict[str, Any]]
             if (ops_filter and point.op not in ops_filter) or key in seen:
                 continue
             seen.add(key)
-            entries = [e for e in table_entries(KERNEL_OF[point.op], arch) if e[1] == point.fmt]
+            entries = [e for e in table_entries(KERNEL_OF[point.op], arch)
+                       if e[1] in point.table_formats]
             if not entries:
                 continue
             prep = prepare(point, "cpu")

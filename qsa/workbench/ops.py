@@ -87,9 +87,21 @@ class Point:
     @property
     def fmt(self) -> str:
         """Config-table format key: the storage format the op reads."""
-        if self.op == "topk_expand":
-            return "fp32"  # top-k reads FP32 scores whatever the key format
+        if self.op == "topk_expand":  # FP32 scores whatever the key format; keyed by rows
+            from qsa.kernels.topk import table_format
+
+            return table_format(self.batch * self.rows)
         return self.kv_format if self.op in KV_OPS else self.index_format
+
+    @property
+    def table_formats(self) -> tuple[str, ...]:
+        """Every format key of the op's table whose entries this point can run: top-k's
+        entries for many rows run at any row count, so a compile check covers them too."""
+        if self.op == "topk_expand":
+            from qsa.kernels.topk import FORMAT, FORMAT_MANY_ROWS
+
+            return FORMAT, FORMAT_MANY_ROWS
+        return (self.fmt,)
 
     def as_record(self) -> dict[str, Any]:
         return {"op": self.op, "preset": self.preset.name, "batch": self.batch,
