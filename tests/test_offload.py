@@ -14,7 +14,7 @@ from qsa.arena import (Arena, ArenaError, BindingMismatchError, CacheFormats, Di
                        LayoutMismatchError, OffloadError, PageOffload, TruncatedPagesError,
                        declare_row_spaces, offload_roundtrip_check, verify_layer_binding)
 from qsa.arena import digest as dg
-from qsa.arena.offload import block_ranges
+from qsa.arena.offload import MIN_CHUNK_PAGES, block_ranges
 from qsa.cases import CaseSpec, make_case
 from qsa.paging import PagedBatch
 from qsa.presets import get_preset
@@ -269,6 +269,22 @@ def test_any_request_order_round_trips(order, n, seed, strategy):
     assert sorted(arena.free_blocks()) == sorted(set(range(10, 24)) - set(dst))
 
 
+def test_one_offload_stores_sets_of_any_size_in_turn():
+    """A store reuses one buffer for its digest parts (host time of a small store): sets of
+    growing and shrinking size through one offload, more pages than a GPU digests that way
+    included, each round-trip exactly."""
+    arena = Arena.for_preset(TINY, 100, CacheFormats("fp8", "mxfp4"))
+    _random_bytes(arena, 3)
+    arena.allocate(50)
+    off = PageOffload(arena)
+    for n in (2, 2 * MIN_CHUNK_PAGES + 8, 3):
+        src = list(range(50 - n, 50))
+        stored = off.store(src)
+        dst = off.restore(stored, list(range(50, 50 + n)))
+        assert torch.equal(arena.pages[dst], arena.pages[src])
+        arena.free(dst)
+
+
 def test_block_ranges_coalesce_in_request_order():
     assert block_ranges([5, 6, 7, 2, 3, 9]) == [(5, 8, 0), (2, 4, 3), (9, 10, 5)]
     assert block_ranges([3]) == [(3, 4, 0)]
@@ -489,7 +505,7 @@ def test_gpu_restore_refusals_change_nothing(strategy):
 def test_copy_chunks_cover_the_set_in_order():
     """The pipelined restore's chunks: every page once, in order, near-equal, and one chunk
     for small sets (a chunk costs launches)."""
-    from qsa.arena.offload import MIN_CHUNK_PAGES, COPY_CHUNKS, copy_chunks
+    from qsa.arena.offload import COPY_CHUNKS, copy_chunks
 
     for n in (1, 7, 2 * MIN_CHUNK_PAGES - 1, 2 * MIN_CHUNK_PAGES, 64, 1000, 1024):
         chunks = copy_chunks(n)

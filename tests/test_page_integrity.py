@@ -263,9 +263,13 @@ def test_the_digest_kernel_matches_its_reference(pages, page_bytes):
                          generator=torch.Generator().manual_seed(pages))
     want = dg.content_sums_reference(data, dg.word_keys(page_bytes, "cpu"))
     assert torch.equal(page_content_sums(data.to(DEVICE)).cpu(), want)
+    # pages 8 bytes past a 16-byte boundary: the GPU launch is bound to its pointers' alignment
+    dev = torch.device(DEVICE)
+    shifted = torch.empty(pages * page_bytes + 8, dtype=torch.uint8, device=dev)[8:]
+    shifted.copy_(data.view(-1).to(dev))
+    assert torch.equal(page_content_sums(shifted.view(pages, page_bytes)).cpu(), want)
     # the offload's path: page groups digested in order into one pending set, the parts
     # added on the host; on a GPU the kernel writes them straight into pinned host memory
-    dev = torch.device(DEVICE)
     pending = dg.PendingSums(pages, page_bytes, dev)
     pending.add(data[1:].to(dev), 1)
     pending.add(data[:1].to(dev), 0)
@@ -307,6 +311,49 @@ def test_small_sets_fold_on_integers_to_the_same_digests(monkeypatch):
         assert np.array_equal(dg.expected_sums(got, "L", 9), want)
         assert np.array_equal(want, sums)
         monkeypatch.setattr(dg, "SMALL_SET", small)
+
+
+def test_set_keys_fold_ahead_to_the_same_digests_and_manifest():
+    """A store folds the set's identity (`SetKeys`) while its copy runs and the page bytes
+    after it; the split must give exactly the digests and the manifest of the one-piece
+    functions a restore checks against, on both sides of the small-set threshold."""
+    rng = np.random.default_rng(5)
+    for n in (1, 3, dg.SMALL_SET, dg.SMALL_SET + 1, 200):
+        blocks = rng.permutation(1 << 20)[:n].tolist()
+        keys = dg.SetKeys("L", 4096, blocks)
+        sums = rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False)
+        digests = keys.page_digests(sums)
+        assert np.array_equal(digests, dg.page_digests(sums, "L", keys.set_id))
+        assert keys.manifest(digests) == dg.manifest_digest("L", keys.set_id, 4096, digests,
+                                                            blocks)
+        assert keys.source_blocks == tuple(blocks)
+        with pytest.raises(ValueError, match=f"{n + 1} content sums for a set of {n} pages"):
+            keys.page_digests(np.append(sums, sums[:1]))
+        with pytest.raises(ValueError, match=f"{n - 1} page digests for a set of {n} pages"):
+            keys.manifest(digests[1:])
+    assert dg.SetKeys("L", 4096, [1]).set_id != dg.SetKeys("L", 4096, [1]).set_id
+
+
+def test_pending_sums_are_not_read_before_the_set_is_closed():
+    pending = dg.PendingSums(1, 64, torch.device("cpu"))
+    pending.add(_page()[:, :64], 0)
+    with pytest.raises(RuntimeError, match="before close"):
+        pending.result()
+    assert pending.close(record=False).result().shape == (1,)
+    # a reused buffer (a one-piece store's) gives the sums of a fresh one, and is checked
+    buffer = torch.full((dg.buffer_size(3, 64, torch.device("cpu")),), -1, dtype=torch.int64)
+    pages = torch.cat([_page(i)[:, :64] for i in range(3)])
+    for n in (3, 1):
+        reused = dg.PendingSums(n, 64, torch.device("cpu"), buffer)
+        reused.add(pages[:n], 0)
+        assert np.array_equal(reused.close().result(), dg.host_sums(pages[:n]))
+    with pytest.raises(ValueError, match="buffer: expected flat int64 of at least 4"):
+        dg.PendingSums(4, 64, torch.device("cpu"), buffer)
+    # pages that do not fit the set are refused, not written past its parts
+    pending = dg.PendingSums(2, 64, torch.device("cpu"), buffer)
+    for bad, at in ((pages[:2], 1), (pages[:1], -1), (pages[:1, :56], 0), (pages[0], 0)):
+        with pytest.raises(ValueError, match="this set holds 2 pages of 64 bytes"):
+            pending.add(bad, at)
 
 
 def test_expected_sums_run_the_page_digests_backwards():

@@ -33,8 +33,8 @@ import torch
 from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sums_reference,
                                        word_keys)
 
-__all__ = ["MASK64", "PendingSums", "as_int64", "as_uint64", "bind", "content_parts",
-           "content_sums", "content_sums_reference", "expected_sums", "fmix64_array", "fold",
+__all__ = ["MASK64", "PendingSums", "SetKeys", "as_int64", "as_uint64", "bind", "buffer_size",
+           "content_parts", "content_sums", "content_sums_reference", "expected_sums", "fmix64_array", "fold",
            "host_sums", "layout_word", "manifest_digest", "new_set_id", "page_digests",
            "parts_per_page", "word_keys"]
 
@@ -78,27 +78,61 @@ class PendingSums:
     bulk copy and folds the digests on the host while the bulk copy still runs, so the folds
     cost no wall time (profiles/nvidia-h200/offload-speed/)."""
 
-    def __init__(self, num_pages: int, page_bytes: int, device: torch.device) -> None:
-        self._device = device
-        self._host = torch.empty((num_pages, parts_per_page(page_bytes, device)),
-                                 dtype=torch.int64, pin_memory=device.type == "cuda")
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device,
+                 buffer: torch.Tensor | None = None) -> None:
+        """`buffer`: flat int64 host memory (pinned for a GPU) to write the parts into, of at
+        least `buffer_size` elements, for a caller that reuses one across sets and waits for
+        each set's digests before the next (a pinned allocation costs 4-11 us of host time,
+        and a one-page store is host-bound)."""
+        self._device, self._page_bytes = device, page_bytes
+        shape = (num_pages, parts_per_page(page_bytes, device))
+        if buffer is None:
+            self._host = torch.empty(shape, dtype=torch.int64,
+                                     pin_memory=device.type == "cuda")
+        elif buffer.dtype != torch.int64 or buffer.dim() != 1 \
+                or buffer.numel() < shape[0] * shape[1]:
+            raise ValueError(f"buffer: expected flat int64 of at least {shape[0] * shape[1]} "
+                             f"elements, got {buffer.dtype} {tuple(buffer.shape)}")
+        else:
+            self._host = buffer[:shape[0] * shape[1]].view(shape)
         self._done: torch.cuda.Event | None = None
+        self._closed = False
 
     def add(self, pages: torch.Tensor, at: int) -> None:
         """Digest `pages` [k, page_bytes], the set's pages at..at+k-1."""
-        content_parts(pages, self._host[at:at + pages.shape[0]])
+        out = self._host[at:at + pages.shape[0]]
+        if pages.dim() != 2 or at < 0 or out.shape[0] != pages.shape[0] \
+                or pages.shape[1] != self._page_bytes:
+            raise ValueError(f"pages {tuple(pages.shape)} at {at}: this set holds "
+                             f"{self._host.shape[0]} pages of {self._page_bytes} bytes")
+        if pages.is_cuda:  # its own buffer, made for these pages: no checks of it per call
+            from qsa.kernels.page_digest import partial_sums_into
 
-    def close(self) -> PendingSums:
-        """Mark the digests issued so far on the device's current stream as the whole set."""
-        if self._device.type == "cuda":
+            partial_sums_into(pages, out)
+        else:
+            content_parts(pages, out)
+
+    def close(self, record: bool = True) -> PendingSums:
+        """Mark the digests issued so far on the device's current stream as the whole set.
+        `record=False` when the caller waits for that stream itself before `result`: the
+        event costs about 8 us of host time, and a one-page store is host-bound."""
+        if record and self._device.type == "cuda":
             self._done = torch.cuda.current_stream(self._device).record_event()
+        self._closed = True
         return self
 
     def result(self) -> np.ndarray:
         """The sums, uint64 in page order (the parts added mod 2^64)."""
+        if not self._closed:
+            raise RuntimeError("PendingSums.result before close: the digests may still run")
         if self._done is not None:
             self._done.synchronize()
         return self._host.numpy().view(np.uint64).sum(axis=1, dtype=np.uint64)
+
+
+def buffer_size(num_pages: int, page_bytes: int, device: torch.device) -> int:
+    """Elements of a `PendingSums` buffer for that many pages."""
+    return num_pages * parts_per_page(page_bytes, device)
 
 
 def host_sums(pages: torch.Tensor) -> np.ndarray:
@@ -141,9 +175,9 @@ def _step(h: int, v: int) -> int:
     return _fmix64(((h ^ (v & MASK64)) * GOLDEN) & MASK64)
 
 
-def fold(values: Sequence[int]) -> int:
-    """An order-sensitive 64-bit hash of a short sequence of 64-bit values."""
-    h = SEED
+def fold(values: Sequence[int], h: int = SEED) -> int:
+    """An order-sensitive 64-bit hash of a short sequence of 64-bit values; `h` continues a
+    fold whose earlier values gave that state."""
     for v in values:
         h = _step(h, v)
     return h
@@ -219,19 +253,27 @@ def bind(contents: np.ndarray | int, positions: np.ndarray | int, layout_digest:
          set_id: int, count: int) -> np.ndarray:
     """Digests (uint64) of pages with content sums `contents` at `positions` of a set of
     `count` pages: fold(layout, set id, count, position, content), broadcast over the arrays."""
-    h = _u64(fold((layout_word(layout_digest), set_id, count)))
-    h = _fold_array(h, np.asarray(positions).astype(np.uint64))
+    return _bind_from(fold((layout_word(layout_digest), set_id, count)), contents, positions)
+
+
+def _bind_from(head: int, contents: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:
+    """`bind` from the fold of the set's identity (`head`)."""
+    h = _fold_array(_u64(head), np.asarray(positions).astype(np.uint64))
     return _fold_array(h, np.asarray(contents).astype(np.uint64))
 
 
 def page_digests(sums: np.ndarray, layout_digest: str, set_id: int) -> np.ndarray:
     """Digests (uint64) of every page of a set from its content sums (uint64, in set order):
     `bind` of each sum at its own position."""
+    return _bind_in_order(sums, fold((layout_word(layout_digest), set_id, sums.size)))
+
+
+def _bind_in_order(sums: np.ndarray, head: int) -> np.ndarray:
+    """`page_digests` from the fold of the set's identity (`head`)."""
     n = sums.size
     if n > SMALL_SET:
-        return bind(sums, np.arange(n), layout_digest, set_id, n)
-    h = fold((layout_word(layout_digest), set_id, n))
-    return np.array([_step(_step(h, i), c) for i, c in enumerate(sums.tolist())],
+        return _bind_from(head, sums, np.arange(n))
+    return np.array([_step(_step(head, i), c) for i, c in enumerate(sums.tolist())],
                     dtype=np.uint64)
 
 
@@ -265,8 +307,39 @@ def manifest_digest(layout_digest: str, set_id: int, page_bytes: int, digests: n
                     source_blocks: Sequence[int]) -> int:
     """The set as a whole: layout, id, page size, count, every page digest and source block,
     in order."""
-    return fold((layout_word(layout_digest), set_id, page_bytes, digests.size,
-                 _mix_sum(digests, 1), len(source_blocks), _mix_sum(source_blocks, 2)))
+    head = fold((layout_word(layout_digest), set_id, page_bytes, digests.size))
+    return fold((_mix_sum(digests, 1), len(source_blocks), _mix_sum(source_blocks, 2)), head)
+
+
+class SetKeys:
+    """What the digests of a new set fold in besides its pages' bytes: the layout, a new set
+    id, the page size and the source blocks. A store computes this while its copy is in
+    flight, so once the content sums land only `page_digests` and `manifest` remain, a few
+    folds per page (a one-page store is host-bound: profiles/nvidia-h200/offload-speed/)."""
+
+    def __init__(self, layout_digest: str, page_bytes: int, source_blocks: Sequence[int]) -> None:
+        self.layout_digest = layout_digest
+        self.page_bytes = page_bytes
+        self.source_blocks = tuple(int(b) for b in source_blocks)
+        self.set_id = new_set_id()
+        n, word = len(self.source_blocks), layout_word(layout_digest)
+        self._page_head = fold((word, self.set_id, n))
+        self._manifest_head = fold((word, self.set_id, page_bytes, n))
+        self._blocks_part = (n, _mix_sum(self.source_blocks, 2))
+
+    def page_digests(self, sums: np.ndarray) -> np.ndarray:
+        """`page_digests` of this set's content sums (one per source block, in order)."""
+        if sums.size != len(self.source_blocks):
+            raise ValueError(f"{sums.size} content sums for a set of "
+                             f"{len(self.source_blocks)} pages")
+        return _bind_in_order(sums, self._page_head)
+
+    def manifest(self, digests: np.ndarray) -> int:
+        """`manifest_digest` of this set with these page digests."""
+        if digests.size != len(self.source_blocks):
+            raise ValueError(f"{digests.size} page digests for a set of "
+                             f"{len(self.source_blocks)} pages")
+        return fold((_mix_sum(digests, 1), *self._blocks_part), self._manifest_head)
 
 
 def as_int64(digests: np.ndarray) -> torch.Tensor:

@@ -27,8 +27,9 @@ and folds the digests on the host while the copy runs; a restore copies in chunk
 landed chunk on the second stream while the next one copies, and meanwhile runs the page
 digests backwards into the content sums it expects, so the check after the copy is one
 comparison. A set that copies in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested
-on the current stream instead, before a store's copy and after a restore's: a few us of device
-time, where the stream calls it saves are host time, and the host decides a small offload.
+on the current stream instead, behind its copy: a few us of device time, where the stream and
+event calls it saves are host time, and the host decides a small offload. A store also takes
+its new set id and folds everything but the page bytes into the digests while its copy runs.
 """
 
 from __future__ import annotations
@@ -100,16 +101,15 @@ class StoredPages:
         return self.num_pages * self.page_bytes
 
 
-def seal(layout_digest: str, layout_summary: str, page_bytes: int, data: torch.Tensor,
-         sums: np.ndarray, source_blocks: Sequence[int]) -> StoredPages:
-    """A stored set from its bytes and the pages' content sums (uint64, in set order): a new
-    set id, the page digests bound to their positions, the manifest."""
-    set_id = dg.new_set_id()
-    digests = dg.page_digests(sums, layout_digest, set_id)
-    blocks = tuple(int(b) for b in source_blocks)
-    return StoredPages(layout_digest, layout_summary, page_bytes, data, dg.as_int64(digests),
-                       blocks, set_id, len(digests),
-                       dg.manifest_digest(layout_digest, set_id, page_bytes, digests, blocks))
+def seal(keys: dg.SetKeys, layout_summary: str, data: torch.Tensor,
+         sums: np.ndarray) -> StoredPages:
+    """A stored set from its keys (`dg.SetKeys`: layout, new set id, page size, source
+    blocks), its bytes and the pages' content sums (uint64, in set order): the page digests
+    bound to their positions, the manifest."""
+    digests = keys.page_digests(sums)
+    return StoredPages(keys.layout_digest, layout_summary, keys.page_bytes, data,
+                       dg.as_int64(digests), keys.source_blocks, keys.set_id, len(digests),
+                       keys.manifest(digests))
 
 
 def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
@@ -219,6 +219,7 @@ class PageOffload:
         self.strategy = strategy
         self._pin = torch.cuda.is_available() and arena.device.type == "cuda"
         self._side: torch.cuda.Stream | None = None  # the digest's stream (`_streams`)
+        self._parts: torch.Tensor | None = None  # a one-piece store's digest parts (reused)
         for space, row in self.layout.layers():
             verify_layer_binding(self, space, row)
 
@@ -243,12 +244,20 @@ class PageOffload:
             raise ArenaError("store: no blocks requested")
         p = self.layout.page_bytes
         host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
-        pending = self._copy_out(self._sources(ids, self._ranges(ids, strategy)), host)
-        sums = pending.result()  # on a GPU the host folds below run while the copy does
-        stored = seal(self.layout.digest, self.layout.summary(), p, host.view(-1), sums,
-                      ids.tolist())
-        if self.arena.device.type == "cuda":  # the copy is the last work issued on the stream
-            torch.cuda.current_stream(self.arena.device).synchronize()
+        on_gpu = self.arena.device.type == "cuda"
+        one_piece = not on_gpu or len(copy_chunks(ids.size)) == 1
+        pending = self._copy_out(self._sources(ids, self._ranges(ids, strategy)), host,
+                                 one_piece)
+        try:  # the host's share of the digests, while the copy runs
+            keys, summary = dg.SetKeys(self.layout.digest, p, ids.tolist()), self.layout.summary()
+        finally:  # also on an interrupt: the digest writes the parts buffer the next set reuses
+            if on_gpu and one_piece:  # digested behind the copy: one wait for both
+                torch.cuda.current_stream(self.arena.device).synchronize()
+        if one_piece:
+            return seal(keys, summary, host.view(-1), pending.result())
+        # waits for the digests alone, so the folds run while the copy does
+        stored = seal(keys, summary, host.view(-1), pending.result())
+        torch.cuda.current_stream(self.arena.device).synchronize()  # the copy is issued last
         return stored
 
     def _sources(self, ids: np.ndarray,
@@ -261,27 +270,34 @@ class PageOffload:
         idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
         return [(_words(pages).index_select(0, idx).view(torch.uint8), 0)]
 
-    def _copy_out(self, sources: list[tuple[torch.Tensor, int]],
-                  host: torch.Tensor) -> dg.PendingSums:
+    def _copy_out(self, sources: list[tuple[torch.Tensor, int]], host: torch.Tensor,
+                  one_piece: bool) -> dg.PendingSums:
         """Issue a store: the copies of `sources` to `host` (pinned on a GPU) on the current
         stream, and their digest (both only read), whose sums a GPU writes into pinned host
         memory. A set that copies in one piece (`copy_chunks`), and any set off the GPU, is
-        digested first, on the current stream: a few us of device time, against four stream
-        calls of host time, which decides a small store. A larger one is digested on a second
+        digested behind its copy on the current stream, closed without an event (the caller
+        waits for the stream): a few us of device time, against the stream and event calls
+        of host time, which decide a small store. A larger one is digested on a second
         stream beside the copies, waiting for the work issued before them (page writes, the
         gather), not for the copies."""
-        dev = self.arena.device
-        pending = dg.PendingSums(host.shape[0], host.shape[1], dev)
-        if dev.type != "cuda" or len(copy_chunks(host.shape[0])) == 1:
+        n, p, dev = host.shape[0], host.shape[1], self.arena.device
+        if one_piece:  # the store waits for the stream before its next set: reuse the parts
+            _copy(sources, host)  # first: the host work below runs while it does
+            size = dg.buffer_size(n, p, dev)
+            if self._parts is None or self._parts.numel() < size:  # any size off the GPU
+                self._parts = torch.empty(max(size, dg.buffer_size(2 * MIN_CHUNK_PAGES, p, dev)),
+                                          dtype=torch.int64, pin_memory=self._pin)
+            pending = dg.PendingSums(n, p, dev, self._parts)
             _digest(sources, pending)
-            _copy(sources, host)
-            return pending
+            return pending.close(record=False)
         main, side = self._streams()
         ready = main.record_event()
         _copy(sources, host)
+        pending = dg.PendingSums(n, p, dev)  # a pinned allocation: after the copy's issue
         side.wait_event(ready)
         with torch.cuda.stream(side):
             _digest(sources, pending)
+            pending.close()
         main.wait_stream(side)  # a gathered staging copy is released after its digest
         return pending
 
@@ -352,9 +368,9 @@ class PageOffload:
         digested on the current stream behind its copy, where it would run anyway, without
         the stream calls."""
         dev = self.arena.device
-        pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
         if dev.type != "cuda":
             staged = data.to(dev)
+            pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
             pending.add(staged, 0)
             return staged, pending.close(), between()
         main, side = self._streams()
@@ -365,6 +381,8 @@ class PageOffload:
         planned = None
         for i, (a, b) in enumerate(chunks):
             staged[a:b].copy_(data[a:b], non_blocking=True)
+            if i == 0:  # a pinned allocation: after the first copy's issue
+                pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
             if beside:
                 side.wait_event(main.record_event())
             with on_digests:
@@ -416,10 +434,9 @@ def _copy(sources: list[tuple[torch.Tensor, int]], host: torch.Tensor) -> None:
 
 
 def _digest(sources: list[tuple[torch.Tensor, int]], pending: dg.PendingSums) -> None:
-    """Digest a store's `sources` on the current stream and mark the set complete."""
+    """Digest a store's `sources` on the current stream."""
     for v, at in sources:
         pending.add(v, at)
-    pending.close()
 
 
 def _words(pages: torch.Tensor) -> torch.Tensor:
