@@ -341,14 +341,17 @@ def test_pending_sums_are_not_read_before_the_set_is_closed():
         pending.result()
     assert pending.close(record=False).result().shape == (1,)
     # a reused buffer (a one-piece store's) gives the sums of a fresh one, and is checked
-    buffer = torch.full((dg.buffer_size(3, 64, torch.device("cpu")),), -1, dtype=torch.int64)
+    buffer = dg.PartsBuffer(3, 64, torch.device("cpu"))
+    buffer.parts.fill_(-1)
     pages = torch.cat([_page(i)[:, :64] for i in range(3)])
     for n in (3, 1):
         reused = dg.PendingSums(n, 64, torch.device("cpu"), buffer)
         reused.add(pages[:n], 0)
         assert np.array_equal(reused.close().result(), dg.host_sums(pages[:n]))
-    with pytest.raises(ValueError, match="buffer: expected flat int64 of at least 4"):
-        dg.PendingSums(4, 64, torch.device("cpu"), buffer)
+    for n, page_bytes, dev in ((4, 64, "cpu"), (1, 128, "cpu"), (1, 64, "cuda")):
+        with pytest.raises(ValueError, match="buffer: holds 3 pages of 64 bytes for cpu, the "
+                                             f"set needs {n} of {page_bytes} bytes for {dev}"):
+            dg.PendingSums(n, page_bytes, torch.device(dev), buffer)
     # pages that do not fit the set are refused, not written past its parts
     pending = dg.PendingSums(2, 64, torch.device("cpu"), buffer)
     for bad, at in ((pages[:2], 1), (pages[:1], -1), (pages[:1, :56], 0), (pages[0], 0)):

@@ -33,7 +33,7 @@ import torch
 from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sums_reference,
                                        word_keys)
 
-__all__ = ["MASK64", "PendingSums", "SetKeys", "as_int64", "as_uint64", "bind", "buffer_size",
+__all__ = ["MASK64", "PartsBuffer", "PendingSums", "SetKeys", "as_int64", "as_uint64", "bind",
            "content_parts", "content_sums", "content_sums_reference", "expected_sums", "fmix64_array", "fold",
            "host_sums", "layout_word", "manifest_digest", "new_set_id", "page_digests",
            "parts_per_page", "word_keys"]
@@ -79,22 +79,22 @@ class PendingSums:
     cost no wall time (profiles/nvidia-h200/offload-speed/)."""
 
     def __init__(self, num_pages: int, page_bytes: int, device: torch.device,
-                 buffer: torch.Tensor | None = None) -> None:
-        """`buffer`: flat int64 host memory (pinned for a GPU) to write the parts into, of at
-        least `buffer_size` elements, for a caller that reuses one across sets and waits for
-        each set's digests before the next (a pinned allocation costs 4-11 us of host time,
-        and a one-page store is host-bound)."""
+                 buffer: PartsBuffer | None = None) -> None:
+        """`buffer`: where to write the parts, for a caller that reuses one across sets and
+        waits for each set's digests before the next (a pinned allocation costs 4-11 us of
+        host time, and a one-page store is host-bound)."""
         self._device, self._page_bytes = device, page_bytes
         shape = (num_pages, parts_per_page(page_bytes, device))
         if buffer is None:
             self._host = torch.empty(shape, dtype=torch.int64,
                                      pin_memory=device.type == "cuda")
-        elif buffer.dtype != torch.int64 or buffer.dim() != 1 \
-                or buffer.numel() < shape[0] * shape[1]:
-            raise ValueError(f"buffer: expected flat int64 of at least {shape[0] * shape[1]} "
-                             f"elements, got {buffer.dtype} {tuple(buffer.shape)}")
+        elif (buffer.device.type, buffer.page_bytes) != (device.type, page_bytes) \
+                or buffer.num_pages < num_pages:
+            raise ValueError(f"buffer: holds {buffer.num_pages} pages of {buffer.page_bytes} "
+                             f"bytes for {buffer.device.type}, the set needs {num_pages} of "
+                             f"{page_bytes} bytes for {device.type}")
         else:
-            self._host = buffer[:shape[0] * shape[1]].view(shape)
+            self._host = buffer.parts[:shape[0] * shape[1]].view(shape)
         self._done: torch.cuda.Event | None = None
         self._closed = False
 
@@ -105,7 +105,9 @@ class PendingSums:
                 or pages.shape[1] != self._page_bytes:
             raise ValueError(f"pages {tuple(pages.shape)} at {at}: this set holds "
                              f"{self._host.shape[0]} pages of {self._page_bytes} bytes")
-        if pages.is_cuda:  # its own buffer, made for these pages: no checks of it per call
+        # A GPU set's buffer is pinned (made here or by `PartsBuffer`) and made for these
+        # pages: the launch skips the checks of it (a pinned-memory query is a driver call).
+        if pages.is_cuda and self._device.type == "cuda":
             from qsa.kernels.page_digest import partial_sums_into
 
             partial_sums_into(pages, out)
@@ -130,9 +132,15 @@ class PendingSums:
         return self._host.numpy().view(np.uint64).sum(axis=1, dtype=np.uint64)
 
 
-def buffer_size(num_pages: int, page_bytes: int, device: torch.device) -> int:
-    """Elements of a `PendingSums` buffer for that many pages."""
-    return num_pages * parts_per_page(page_bytes, device)
+class PartsBuffer:
+    """Host memory for the digest parts of sets of up to `num_pages` pages of `page_bytes`,
+    pinned for a GPU, which writes it directly: made only here, so a `PendingSums` given one
+    trusts it without a pinned-memory query per set."""
+
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device) -> None:
+        self.num_pages, self.page_bytes, self.device = num_pages, page_bytes, device
+        self.parts = torch.empty(num_pages * parts_per_page(page_bytes, device),
+                                 dtype=torch.int64, pin_memory=device.type == "cuda")
 
 
 def host_sums(pages: torch.Tensor) -> np.ndarray:

@@ -219,7 +219,7 @@ class PageOffload:
         self.strategy = strategy
         self._pin = torch.cuda.is_available() and arena.device.type == "cuda"
         self._side: torch.cuda.Stream | None = None  # the digest's stream (`_streams`)
-        self._parts: torch.Tensor | None = None  # a one-piece store's digest parts (reused)
+        self._parts: dg.PartsBuffer | None = None  # a one-piece store's digest parts (reused)
         for space, row in self.layout.layers():
             verify_layer_binding(self, space, row)
 
@@ -283,10 +283,8 @@ class PageOffload:
         n, p, dev = host.shape[0], host.shape[1], self.arena.device
         if one_piece:  # the store waits for the stream before its next set: reuse the parts
             _copy(sources, host)  # first: the host work below runs while it does
-            size = dg.buffer_size(n, p, dev)
-            if self._parts is None or self._parts.numel() < size:  # any size off the GPU
-                self._parts = torch.empty(max(size, dg.buffer_size(2 * MIN_CHUNK_PAGES, p, dev)),
-                                          dtype=torch.int64, pin_memory=self._pin)
+            if self._parts is None or self._parts.num_pages < n:  # any size off the GPU
+                self._parts = dg.PartsBuffer(max(n, 2 * MIN_CHUNK_PAGES), p, dev)
             pending = dg.PendingSums(n, p, dev, self._parts)
             _digest(sources, pending)
             return pending.close(record=False)
