@@ -359,6 +359,51 @@ def test_pending_sums_are_not_read_before_the_set_is_closed():
             pending.add(bad, at)
 
 
+def test_the_unchecked_digest_launch_still_checks_shapes_and_falls_back(monkeypatch):
+    """`partial_sums_into` skips only the pinned-memory query of `out`: a narrower or wider
+    buffer, or another dtype, would leave page bytes unread or write past it. The bound
+    launch steps aside where its key would be incomplete (ROCm's pointer-range
+    specialization) or no compiled kernel comes back (a cache hook), so the normal launch
+    runs."""
+    from qsa.kernels import page_digest as pdk
+
+    pages = _page()
+    want = pdk.partial_count(PAGE)
+    for bad in (torch.zeros(1, want + 1, dtype=torch.int64), torch.zeros(1, want, dtype=torch.int32),
+                torch.zeros(2, want, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=rf"out: expected contiguous int64 \[1, {want}\]"):
+            pdk.partial_sums_into(pages, bad)
+    words = pages.view(torch.int64)
+    out = torch.zeros(1, want, dtype=torch.int64)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert pdk._bound_kernel(words, out, words.shape[1], want) is None
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pdk._content_sum_kernel, "warmup", lambda *a, **k: None, raising=False)
+    assert pdk._bound_kernel(words, out, words.shape[1], want) is None
+
+
+def test_an_interrupted_store_leaves_the_offload_usable(monkeypatch):
+    """A store that fails while its copy and digest are in flight (here: the identity folds)
+    re-raises, after waiting for the device on a GPU; the next store is whole."""
+    arena = Arena.for_preset(SMALL, 6, CacheFormats("fp8", "fp8"))
+    _random_bytes(arena, 9)
+    arena.allocate(2)
+    off = PageOffload(arena)
+    real = dg.SetKeys
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dg, "SetKeys", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        off.store([0, 1])
+    monkeypatch.setattr(dg, "SetKeys", real)
+    stored = off.store([0, 1])
+    dst = off.restore(stored, [2, 3])
+    assert torch.equal(arena.pages[dst], arena.pages[[0, 1]])
+
+
 def test_expected_sums_run_the_page_digests_backwards():
     """A restore checks the device's content sums against the sums the stored digests imply;
     that inverse must give back every sum at every position and set size, and a digest

@@ -209,7 +209,8 @@ class PageOffload:
     """Stores and restores whole pages of one arena.
 
     Construction checks every layer's binding against the pages (`verify_layer_binding`), so
-    an arena whose views drifted from its layout can not be offloaded at all.
+    an arena whose views drifted from its layout can not be offloaded at all. Not for use from
+    several threads at once: small stores share one buffer for their digest parts.
     """
 
     def __init__(self, arena: Arena, strategy: Strategy = "auto") -> None:
@@ -238,6 +239,19 @@ class PageOffload:
               strategy: Strategy | None = None) -> StoredPages:
         """Copy the pages of allocated `blocks` to host memory, in request order; the bytes
         are in host memory when this returns."""
+        with self._on_arena_device():
+            return self._store(blocks, strategy)
+
+    def _on_arena_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The arena's GPU made current where another one is: the digest launches on the
+        current device's stream, and the offload waits on the arena's."""
+        dev = self.arena.device
+        if dev.type != "cuda" or dev.index == torch.cuda.current_device():
+            return contextlib.nullcontext()
+        return torch.cuda.device(dev)
+
+    def _store(self, blocks: Iterable[int] | torch.Tensor,
+               strategy: Strategy | None) -> StoredPages:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         ids = self.arena.check_blocks(blocks, state="allocated")
         if ids.size == 0:
@@ -246,18 +260,23 @@ class PageOffload:
         host = torch.empty((ids.size, p), dtype=torch.uint8, pin_memory=self._pin)
         on_gpu = self.arena.device.type == "cuda"
         one_piece = not on_gpu or len(copy_chunks(ids.size)) == 1
-        pending = self._copy_out(self._sources(ids, self._ranges(ids, strategy)), host,
-                                 one_piece)
-        try:  # the host's share of the digests, while the copy runs
+        try:  # the copy and digest, then the host's share of the digests while they run
+            pending = self._copy_out(self._sources(ids, self._ranges(ids, strategy)), host,
+                                     one_piece)
             keys, summary = dg.SetKeys(self.layout.digest, p, ids.tolist()), self.layout.summary()
-        finally:  # also on an interrupt: the digest writes the parts buffer the next set reuses
-            if on_gpu and one_piece:  # digested behind the copy: one wait for both
-                torch.cuda.current_stream(self.arena.device).synchronize()
-        if one_piece:
+        except BaseException:  # also an interrupt: a digest may still write a buffer that is
+            if on_gpu:  # dropped now, or that the next set reuses; either stream
+                torch.cuda.synchronize(self.arena.device)
+            raise
+        if not on_gpu:
+            return seal(keys, summary, host.view(-1), pending.result())
+        stream = torch.cuda.current_stream(self.arena.device)
+        if one_piece:  # digested behind the copy: one wait for both
+            stream.synchronize()
             return seal(keys, summary, host.view(-1), pending.result())
         # waits for the digests alone, so the folds run while the copy does
         stored = seal(keys, summary, host.view(-1), pending.result())
-        torch.cuda.current_stream(self.arena.device).synchronize()  # the copy is issued last
+        stream.synchronize()  # the copy is the last work issued on the stream
         return stored
 
     def _sources(self, ids: np.ndarray,
@@ -322,6 +341,11 @@ class PageOffload:
 
         Everything is checked before the arena is touched; a refusal changes nothing.
         """
+        with self._on_arena_device():
+            return self._restore(stored, blocks, strategy)
+
+    def _restore(self, stored: StoredPages, blocks: Iterable[int] | torch.Tensor | None,
+                 strategy: Strategy | None) -> list[int]:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         self.check_stored(stored)
         n, p = stored.num_pages, self.layout.page_bytes

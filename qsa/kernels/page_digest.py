@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from qsa.kernels.common import interpreting
 from qsa.reference import page_digest as ref
@@ -79,19 +80,25 @@ def page_partial_sums(pages: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 def partial_sums_into(pages: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`page_partial_sums` into `out`, which the caller made as that function requires and
-    which is not checked here: a pinned-memory check is a driver call, a few us of the host
-    time that decides a one-page offload (`qsa.arena.digest.PendingSums` owns its buffer)."""
+    """`page_partial_sums` into `out`, whose memory the caller vouches for: on the pages'
+    device or pinned, which is not checked here (a pinned-memory query is a driver call, a
+    few us of the host time that decides a one-page offload; `qsa.arena.digest.PendingSums`
+    makes its buffer pinned). Its shape and dtype are checked."""
     n = _check_pages(pages)
+    chunks = partial_count(pages.shape[1])
+    if tuple(out.shape) != (n, chunks) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous int64 {[n, chunks]}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if not n:
         return out
     words = pages.contiguous().view(torch.int64)
-    per_page, chunks = words.shape[1], out.shape[1]
-    if interpreting():
-        _content_sum_kernel[(n, chunks)](words, out, per_page, chunks, BLOCK=BLOCK_WORDS)
+    per_page = words.shape[1]
+    bound = None if interpreting() else _bound_kernel(words, out, per_page, chunks)
+    if bound is None:
+        _content_sum_kernel[(n, chunks)](words, out, per_page, chunks, BLOCK=BLOCK_WORDS,
+                                         num_warps=NUM_WARPS)
     else:
-        _bound_kernel(words, out, per_page, chunks)[(n, chunks, 1)](words, out, per_page, chunks,
-                                                                   BLOCK_WORDS)
+        bound[(n, chunks, 1)](words, out, per_page, chunks, BLOCK_WORDS)
     return out
 
 
@@ -106,21 +113,28 @@ def _check_pages(pages: torch.Tensor) -> int:
     return pages.shape[0]
 
 
-_BOUND: dict[tuple[int, int, int, bool, bool], Any] = {}
+_BOUND: dict[tuple[Any, ...], Any] = {}
 
 
 def _bound_kernel(words: torch.Tensor, out: torch.Tensor, per_page: int, chunks: int) -> Any:
     """The compiled kernel for these arguments, launched without Triton's per-call argument
-    binding and cache lookup, which cost as much as this function's argument checks on the
-    H200's host (profiles/nvidia-h200/offload-speed/bound-launch/). The key holds everything
-    Triton specializes on here: the device it loads the kernel on (the current one, as
-    Triton's own launch), the two integers (their values) and the pointers' 16-byte
-    alignment; a first call of a key compiles (or loads) through the normal path."""
+    binding and cache lookup, which cost as much as this module's argument checks on the
+    H200's host (profiles/nvidia-h200/offload-speed/bound-launch/); None where the normal
+    launch must run. The key holds what Triton 3.6 specializes on for this kernel on NVIDIA:
+    the device it loads the kernel on (the current one, as Triton's own launch), the two
+    integers (their values), the pointers' 16-byte alignment, and the debug and
+    instrumentation settings it compiles with. ROCm also specializes pointers on their
+    buffer's size (32-bit buffer offsets), which this key does not hold: there the normal
+    launch runs. A first call of a key compiles (or loads) through the normal path."""
+    if torch.version.hip is not None:
+        return None
     key = (torch.cuda.current_device(), per_page, chunks, words.data_ptr() % 16 == 0,
-           out.data_ptr() % 16 == 0)
+           out.data_ptr() % 16 == 0, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
     kernel = _BOUND.get(key)
     if kernel is None:
         kernel = _content_sum_kernel.warmup(words, out, per_page, chunks, BLOCK=BLOCK_WORDS,
                                             num_warps=NUM_WARPS, grid=(1, chunks))
+        if kernel is None:  # a cache hook took the compile over: launch the normal way
+            return None
         kernel = _BOUND[key] = kernel.result() if hasattr(kernel, "result") else kernel
     return kernel
