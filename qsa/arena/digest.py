@@ -34,9 +34,9 @@ from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sum
                                        word_keys)
 
 __all__ = ["MASK64", "PartsBuffer", "PendingSums", "SetKeys", "as_int64", "as_uint64", "bind",
-           "content_parts", "content_sums", "content_sums_reference", "expected_sums", "fmix64_array", "fold",
-           "host_sums", "layout_word", "manifest_digest", "new_set_id", "page_digests",
-           "parts_per_page", "word_keys"]
+           "content_parts", "content_sums", "content_sums_reference", "expected_sums",
+           "fmix64_array", "fold", "host_sums", "layout_word", "manifest_digest", "new_set_id",
+           "page_digests", "parts_per_page", "word_keys"]
 
 
 def content_sums(pages: torch.Tensor) -> torch.Tensor:

@@ -268,15 +268,13 @@ class PageOffload:
             if on_gpu:  # dropped now, or that the next set reuses; either stream
                 torch.cuda.synchronize(self.arena.device)
             raise
-        if not on_gpu:
-            return seal(keys, summary, host.view(-1), pending.result())
-        stream = torch.cuda.current_stream(self.arena.device)
-        if one_piece:  # digested behind the copy: one wait for both
+        stream = torch.cuda.current_stream(self.arena.device) if on_gpu else None
+        if stream is not None and one_piece:  # digested behind the copy: one wait for both
             stream.synchronize()
-            return seal(keys, summary, host.view(-1), pending.result())
-        # waits for the digests alone, so the folds run while the copy does
+        # a larger set's result waits for its digests alone: the folds run while the copy does
         stored = seal(keys, summary, host.view(-1), pending.result())
-        stream.synchronize()  # the copy is the last work issued on the stream
+        if stream is not None and not one_piece:
+            stream.synchronize()  # the copy is the last work issued on the stream
         return stored
 
     def _sources(self, ids: np.ndarray,

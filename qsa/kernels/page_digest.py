@@ -67,16 +67,14 @@ def page_partial_sums(pages: torch.Tensor, out: torch.Tensor | None = None) -> t
     saves a reduction launch (host time decides a small offload). `out` may be pinned host
     memory, which the kernel then writes directly (mapped memory: no copy call, and nothing
     waits behind a bulk copy on the copy engine)."""
-    shape = (_check_pages(pages), partial_count(pages.shape[1]))
     if out is None:
-        out = torch.empty(shape, dtype=torch.int64, device=pages.device)
-    elif (tuple(out.shape) != shape or out.dtype != torch.int64 or not out.is_contiguous()
-          or not (out.device == pages.device or (pages.is_cuda and out.is_pinned()))):
+        out = torch.empty((_check_pages(pages), partial_count(pages.shape[1])),
+                          dtype=torch.int64, device=pages.device)
+    elif not (out.device == pages.device or (pages.is_cuda and out.is_pinned())):
         where = "pinned host memory" if out.is_pinned() else str(out.device)
-        raise ValueError(f"out: expected contiguous int64 {list(shape)} on {pages.device} or, "
-                         f"for GPU pages, in pinned host memory; got {out.dtype} "
-                         f"{tuple(out.shape)} in {where}")
-    return partial_sums_into(pages, out)
+        raise ValueError(f"out: expected contiguous int64 on {pages.device} or, for GPU pages, "
+                         f"in pinned host memory; got {out.dtype} {tuple(out.shape)} in {where}")
+    return partial_sums_into(pages, out)  # checks the pages and out's shape and dtype
 
 
 def partial_sums_into(pages: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
