@@ -173,6 +173,19 @@ def test_allocate_and_free_lowest_first():
     assert arena.num_free == 0
 
 
+def test_claim_free_of_checked_ids_rechecks_their_state():
+    """A large restore validates its target blocks while its copy runs and claims them after
+    with their state checked once more: a block taken meanwhile is refused, nothing claimed."""
+    arena = Arena.for_preset(SMALL, 6, CacheFormats())
+    ids = arena.check_blocks([5, 2, 3], state="free")
+    arena.claim([3])
+    with pytest.raises(ArenaError, match="block 3 is busy"):
+        arena.claim_free(ids)
+    assert arena.free_blocks() == [0, 1, 2, 4, 5]
+    arena.free([3])
+    assert arena.claim_free(ids) == [5, 2, 3] and arena.free_blocks() == [0, 1, 4]
+
+
 @pytest.mark.parametrize("call,args,match", [
     ("allocate", (7,), "not enough free blocks: 7 requested, 4 free"),
     ("allocate", (-1,), "non-negative integer"),
@@ -200,14 +213,16 @@ def test_bad_block_requests_are_named_and_change_nothing(call, args, match):
     assert _state(arena) == before
 
 
-@settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.integers(-2, 9) | st.integers(-2**63, 2**63 - 1), max_size=20),
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(st.integers(-2, 9) | st.integers(-2**63, 2**63 - 1), max_size=20)
+       | st.lists(st.integers(-1, 40), max_size=40, unique=True),
        state=st.sampled_from([None, "free", "allocated", "busy"]))
-def test_short_id_lists_are_checked_like_arrays(ids, state):
-    """Short lists of ids take a Python-int fast path (host time of a one-page offload); it
-    must accept exactly what the array path accepts, and leave refusals to it."""
-    arena = Arena.for_preset(SMALL, 8, CacheFormats())
-    arena.claim([1, 2, 5])
+def test_id_lists_are_checked_like_arrays(ids, state):
+    """Lists of ids take a Python-int fast path (host time of an offload), id by id up to
+    SMALL_SET, with one array lookup of their state beyond; it must accept exactly what the
+    array path accepts, and leave refusals to it."""
+    arena = Arena.for_preset(SMALL, 40, CacheFormats())
+    arena.claim([1, 2, 5, *range(20, 40)])
 
     def outcome(blocks):
         try:
@@ -218,7 +233,34 @@ def test_short_id_lists_are_checked_like_arrays(ids, state):
     fast = [outcome(ids), outcome(tuple(ids)), outcome(np.array(ids, dtype=np.int64))]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(arena_module, "SMALL_SET", 0)  # every request on the array path
+        m.setattr(arena_module, "FAST_IDS", -1)
         assert fast == [outcome(ids)] * 3
+
+
+def test_long_id_lists_are_checked_like_arrays():
+    """Beyond SMALL_SET, the fast path reads the state of a list in one array lookup: lists
+    that pass it as free or allocated, and the refusals left to the array path."""
+    arena = Arena.for_preset(SMALL, 40, CacheFormats())
+    arena.claim(list(range(20, 40)))
+    free = [*range(19, -1, -1)]
+    cases = [(free, "free"), (free, None), (list(range(20, 40)), "allocated"),
+             ([*free, 20], "free"), ([*free, 20], "allocated"), ([*free, 3], "free"),
+             ([*free, 40], None)]
+    fast = []
+    for ids, state in cases:
+        try:
+            fast.append(arena.check_blocks(ids, state=state).tolist())
+        except ArenaError as exc:
+            fast.append(str(exc))
+    assert fast[:3] == [free, free, list(range(20, 40))]
+    assert [m[:9] for m in fast[3:]] == ["block 20 ", "block 19 ", "block 3 a", "block 40 "]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(arena_module, "FAST_IDS", -1)
+        for (ids, state), got in zip(cases, fast):
+            try:
+                assert arena.check_blocks(ids, state=state).tolist() == got
+            except ArenaError as exc:
+                assert str(exc) == got
 
 
 def test_check_blocks_returns_int64_ids():

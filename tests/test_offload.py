@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsa.arena import (Arena, ArenaError, BindingMismatchError, CacheFormats, DigestError,
-                       LayoutMismatchError, OffloadError, PageOffload, TruncatedPagesError,
-                       declare_row_spaces, offload_roundtrip_check, verify_layer_binding)
+                       LayoutMismatchError, ManifestError, OffloadError, PageOffload,
+                       TruncatedPagesError, declare_row_spaces, offload_roundtrip_check,
+                       verify_layer_binding)
 from qsa.arena import digest as dg
 from qsa.arena.offload import MIN_CHUNK_PAGES, block_ranges
 from qsa.cases import CaseSpec, make_case
@@ -548,7 +549,42 @@ def test_gpu_pipelined_restore_checks_every_chunk(strategy, chunk):
     with pytest.raises(ArenaError, match="busy"):
         off.restore(stored, src)
     assert torch.equal(arena.buffer, before) and arena.num_free == n
+    # the manifest alone changed: refused before the device's gated write is issued
+    with pytest.raises(ManifestError):
+        off.restore(dataclasses.replace(stored, source_blocks=stored.source_blocks[::-1]))
+    assert torch.equal(arena.buffer, before) and arena.num_free == n
     dst = torch.randperm(n, generator=torch.Generator().manual_seed(a))[:n] + n
     got = off.restore(stored, dst.tolist())
     assert got == dst.tolist()
+    assert torch.equal(arena.pages[got].cpu(), stored.data.view(n, -1))
+
+
+@pytest.mark.gpu
+def test_gpu_gated_write_that_disagrees_with_the_host_is_refused(monkeypatch):
+    """The device's page check decides whether a large restore writes the arena; the host
+    requires its verdict on every page to equal its own. A check that wrongly refuses a
+    page (forced here by a changed expected sum) writes nothing, and the restore says so
+    instead of allocating blocks that were never written."""
+    from qsa.kernels import page_write
+
+    n = 2 * MIN_CHUNK_PAGES
+    arena = Arena.for_preset(get_preset(), 2 * n, CacheFormats("fp8", "fp8"), device="cuda")
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, dtype=torch.uint8,
+                                     device="cuda"))
+    off = PageOffload(arena)
+    stored = off.store(arena.allocate(n))
+    real = page_write.write_if_intact
+
+    def wrong_on_page_5(staged, pages, parts, plan):
+        plan[0, 5] ^= 1
+        return real(staged, pages, parts, plan)
+
+    monkeypatch.setattr(page_write, "write_if_intact", wrong_on_page_5)
+    snap = _snapshot(arena)
+    with pytest.raises(OffloadError, match=r"disagrees with the host's on pages \[5\]: "
+                                           "nothing was written"):
+        off.restore(stored)
+    _assert_unchanged(arena, snap)
+    monkeypatch.setattr(page_write, "write_if_intact", real)
+    got = off.restore(stored)
     assert torch.equal(arena.pages[got].cpu(), stored.data.view(n, -1))

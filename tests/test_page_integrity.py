@@ -416,3 +416,44 @@ def test_expected_sums_run_the_page_digests_backwards():
         flipped = digests ^ (np.uint64(1) << rng.integers(0, 64, n).astype(np.uint64))
         assert not np.any(dg.expected_sums(flipped, "L", 77) == sums)
         assert not np.any(dg.expected_sums(digests, "L", 78) == sums)
+
+
+@pytest.mark.on_gpu_too
+@pytest.mark.parametrize("intact", [True, False])
+def test_the_gated_arena_write_matches_its_reference(intact):
+    """A large GPU restore checks and writes on the device (`qsa.kernels.page_write`): the
+    pages land in their (shuffled) blocks only when every page's parts add up to its
+    expected sum, the per-page verdict is written for the host, and a mismatch writes
+    nothing. A parts count that is not a power of two, pages whose words do not fill the last
+    write program."""
+    from qsa.kernels.page_write import WRITE_WORDS, write_if_intact
+    from qsa.reference.page_write import write_if_intact_reference
+
+    dev = torch.device(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    n, page_bytes, blocks = 3, 8 * (WRITE_WORDS + 452), [6, 1, 4]
+    staged = torch.randint(0, 256, (n, page_bytes), dtype=torch.uint8, generator=gen)
+    arena = torch.randint(0, 256, (8, page_bytes), dtype=torch.uint8, generator=gen)
+    parts = torch.randint(-2**63, 2**63 - 1, (n, 300), dtype=torch.int64,
+                          generator=gen)
+    want = parts.sum(dim=1)  # wraps mod 2^64, as the kernel's uint64 sum
+    if not intact:
+        want[1] ^= 1 << 40
+    expected = arena.clone()
+    sums, bad = write_if_intact_reference(staged, expected, parts, want, torch.tensor(blocks))
+    on_gpu = dev.type == "cuda"
+    plan = torch.stack([want, torch.tensor(blocks), torch.full((n,), -1),
+                        torch.full((n,), -1)]).contiguous()
+    plan = plan.pin_memory() if on_gpu else plan
+    got = arena.to(dev, copy=True)
+    gate = write_if_intact(staged.to(dev), got, parts.pin_memory() if on_gpu else parts, plan)
+    if on_gpu:
+        gate.synchronize()
+    assert plan[2].tolist() == bad.long().tolist() == ([0, 0, 0] if intact else [0, 1, 0])
+    assert torch.equal(plan[3], sums)
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(expected, arena) != intact  # the intact case wrote, the other did not
+    with pytest.raises(ValueError, match=r"plan: expected contiguous int64 \[4, 3\]"):
+        write_if_intact(staged.to(dev), got, parts, plan[:3])
+    with pytest.raises(ValueError, match=r"pages: .* does not take staged pages"):
+        write_if_intact(staged.to(dev), got[:, 8:].contiguous(), parts, plan)

@@ -98,6 +98,12 @@ class PendingSums:
         self._done: torch.cuda.Event | None = None
         self._closed = False
 
+    @property
+    def parts(self) -> torch.Tensor:
+        """The set's digest parts, int64 [num_pages, parts per page], as the digests write
+        them (pinned host memory on a GPU): for a device-side check queued behind them."""
+        return self._host
+
     def add(self, pages: torch.Tensor, at: int) -> None:
         """Digest `pages` [k, page_bytes], the set's pages at..at+k-1."""
         out = self._host[at:at + pages.shape[0]]

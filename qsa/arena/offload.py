@@ -18,7 +18,10 @@ any bit flip are refused with the page and the reason; a refused restore changes
 Copies: pages of consecutive block ids form a range that moves with one copy. Scattered pages
 are gathered on the device with one index_select (store) or scattered with one index_copy_
 (restore), on 8-byte words, around a single host copy; `strategy` picks, "auto" uses one copy
-per range only when the request is a single range (scripts/bench_offload.py measures both).
+per range only when the request is a single range (scripts/bench_offload.py measures both). A
+GPU restore of several chunks writes the arena with one gated kernel for any strategy instead
+(`qsa.kernels.page_write`): it checks every page on the device behind the digests and writes
+the pages, in their target blocks, only when all of them match.
 `qsa.arena.page_file` writes a stored set to disk and reads it back.
 
 Overlap, because the copy is the only part that must take time (profiles/nvidia-h200/
@@ -26,7 +29,9 @@ offload-speed/): a store issues the bulk copy, digests the pages on a second str
 and folds the digests on the host while the copy runs; a restore copies in chunks, digests each
 landed chunk on the second stream while the next one copies, and meanwhile runs the page
 digests backwards into the content sums it expects, so the check after the copy is one
-comparison. A set that copies in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested
+comparison, and the arena write of a multi-chunk restore is queued behind the digests on the
+device, gated by the same comparison, so no host round trip separates them. A set that copies
+in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested
 on the current stream instead, behind its copy: a few us of device time, where the stream and
 event calls it saves are host time, and the host decides a small offload. A store also takes
 its new set id and folds everything but the page bytes into the digests while its copy runs.
@@ -347,10 +352,13 @@ class PageOffload:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         self.check_stored(stored)
         n, p = stored.num_pages, self.layout.page_bytes
+        gated = self.arena.device.type == "cuda" and len(copy_chunks(n)) > 1
 
-        def plan() -> tuple[np.ndarray, list[tuple[int, int, int]] | None, bool, np.ndarray]:
-            """The host's share, run while the first chunk copies: the target blocks, how
-            they are written, the manifest, and the content sums the digests imply."""
+        def plan() -> tuple[np.ndarray, list[tuple[int, int, int]] | None, bool, np.ndarray,
+                            torch.Tensor | None]:
+            """The host's share, run while the first chunks copy: the target blocks, how
+            they are written, the manifest, the content sums the digests imply and, for a
+            gated write, those sums and blocks in pinned memory for the device's check."""
             if blocks is None:
                 ids = self.arena.pick_free(n)
             else:
@@ -360,10 +368,18 @@ class PageOffload:
                                      f"{ids.size}")
             want = dg.expected_sums(dg.as_uint64(stored.digests), stored.layout_digest,
                                     stored.set_id)
-            return ids, self._ranges(ids, strategy), manifest_holds(stored), want
+            ok = manifest_holds(stored)
+            if not gated:
+                return ids, self._ranges(ids, strategy), ok, want, None
+            order = torch.empty((4, n), dtype=torch.int64, pin_memory=True)
+            rows = order.numpy()
+            rows[0], rows[1], rows[2:] = want.view(np.int64), ids, -1
+            return ids, None, ok, want, order
 
-        staged, pending, (ids, runs, manifest_ok, want) = self._stage(stored.data.view(n, p),
-                                                                      plan)
+        staged, pending, (ids, runs, manifest_ok, want, order) = self._stage(
+            stored.data.view(n, p), plan)
+        if order is not None and manifest_ok:
+            return self._write_gated(stored, staged, pending, ids, want, order)
         sums = pending.result()
         if not (manifest_ok and np.array_equal(sums, want)):
             check_sums(stored, sums, manifest_ok)  # raises, naming the page and the reason
@@ -376,6 +392,33 @@ class PageOffload:
             idx = torch.from_numpy(ids).to(self.arena.device, non_blocking=True)
             _words(pages).index_copy_(0, idx, _words(staged))
         return self.arena.claim(ids)
+
+    def _write_gated(self, stored: StoredPages, staged: torch.Tensor, pending: dg.PendingSums,
+                     ids: np.ndarray, want: np.ndarray, order: torch.Tensor) -> list[int]:
+        """A large GPU restore's arena write: checked and written on the device behind the
+        digests (`qsa.kernels.page_write`), so no host round trip sits between the last digest
+        and the write. The host then compares the sums the check added up with the expected
+        ones itself and requires the device's verdict on every page to equal its own before
+        the blocks are allocated."""
+        from qsa.kernels.page_write import write_if_intact
+
+        try:
+            write_if_intact(staged, self.arena.pages, pending.parts, order).synchronize()
+        except BaseException:  # the check writes `order` and reads the parts, dropped now
+            torch.cuda.synchronize(self.arena.device)
+            raise
+        rows = order.numpy()
+        sums = rows[3].view(np.uint64)
+        host_bad, device_bad = sums != want, rows[2] != 0
+        if not np.array_equal(host_bad, device_bad):
+            where = np.flatnonzero(host_bad != device_bad).tolist()
+            raise OffloadError(
+                f"the device's page check disagrees with the host's on pages {where[:8]}: "
+                + ("nothing was written and no block allocated" if device_bad.any() else
+                   "the pages were written into the free target blocks, none allocated"))
+        if host_bad.any():
+            check_sums(stored, sums.copy(), True)  # raises, naming the page and the reason
+        return self.arena.claim_free(ids)
 
     def _stage(self, data: torch.Tensor,
                between: Callable[[], T]) -> tuple[torch.Tensor, dg.PendingSums, T]:
@@ -393,16 +436,18 @@ class PageOffload:
             pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
             pending.add(staged, 0)
             return staged, pending.close(), between()
-        main, side = self._streams()
         chunks = copy_chunks(data.shape[0])
+        staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
+        first = slice(*chunks[0])
+        staged[first].copy_(data[first], non_blocking=True)  # first: the rest is host work
+        main, side = self._streams()
         beside = len(chunks) > 1  # digest on the second stream
         on_digests = torch.cuda.stream(side) if beside else contextlib.nullcontext()
-        staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
+        pending = dg.PendingSums(data.shape[0], data.shape[1], dev)  # a pinned allocation
         planned = None
         for i, (a, b) in enumerate(chunks):
-            staged[a:b].copy_(data[a:b], non_blocking=True)
-            if i == 0:  # a pinned allocation: after the first copy's issue
-                pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
+            if i:
+                staged[a:b].copy_(data[a:b], non_blocking=True)
             if beside:
                 side.wait_event(main.record_event())
             with on_digests:

@@ -8,7 +8,10 @@ direction, as a percentage of it (a restore waited for until its pages are in th
 The committed `qsa/` of OLD_TREE is loaded as the package `qsa_old` (a copy whose imports are
 renamed), beside this checkout's `qsa`.
 
-    PYTHONPATH=. python3 ab_store.py OLD_TREE OUT_DIR [--pages N]
+    PYTHONPATH=. python3 ab_store.py OLD_TREE OUT_DIR [--pages N] [--scattered]
+
+--scattered: N > 1 pages from shuffled blocks into other shuffled blocks (the default
+strategy then gathers and scatters), against the same copies of N consecutive pages.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def load_old(tree: Path):
     return importlib.import_module("qsa_old.arena"), importlib.import_module("qsa_old.presets")
 
 
-def offload(arena_mod, presets_mod, fmt: str, pages: int):
+def offload(arena_mod, presets_mod, fmt: str, pages: int, scattered: bool = False):
     layout = arena_mod.PageLayout.for_preset(presets_mod.get_preset("qwen3.8-flash-next"),
                                              arena_mod.CacheFormats(fmt, fmt,
                                                                     torch.float8_e4m3fn))
@@ -48,6 +51,9 @@ def offload(arena_mod, presets_mod, fmt: str, pages: int):
     arena.buffer.random_(0, 256)
     src = [3] if pages == 1 else list(range(pages))
     dst = [12] if pages == 1 else list(range(pages, 2 * pages))
+    if scattered and pages > 1:
+        order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(0)).tolist()
+        src, dst = order[:pages], order[pages:]
     arena.claim(src)
     off = arena_mod.PageOffload(arena)
     stored = off.store(src)  # verified: the bytes, and a restore of them
@@ -67,6 +73,7 @@ def main() -> None:
     ap.add_argument("old_tree", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--pages", type=int, default=1)
+    ap.add_argument("--scattered", action="store_true")
     args = ap.parse_args()
     old_arena, old_presets = load_old(args.old_tree)
     n, out = args.pages, args.out
@@ -74,12 +81,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines, records = [], []
     for fmt in ("fp8", "bf16"):
-        engines = {"old": offload(old_arena, old_presets, fmt, n),
-                   "new": offload(new_arena, new_presets, fmt, n)}
-        arena, src = engines["new"][1], engines["new"][2]
-        dev_bytes = arena.pages[src[0]:src[0] + n]
+        engines = {"old": offload(old_arena, old_presets, fmt, n, args.scattered),
+                   "new": offload(new_arena, new_presets, fmt, n, args.scattered)}
+        arena = engines["new"][1]
+        dev_bytes = arena.pages[:n]
         host = torch.empty(dev_bytes.shape, dtype=torch.uint8, pin_memory=True)
-        back = engines["new"][1].pages[engines["new"][3][0]:engines["new"][3][0] + n]
+        back = arena.pages[n:2 * n]
 
         def wait(fn):
             def call() -> None:
@@ -107,7 +114,7 @@ def main() -> None:
                 if i >= 10:
                     times[name].append((t1 - t0) * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
-        rec = {"layout": fmt, "pages": n, "calls": calls_n,
+        rec = {"layout": fmt, "pages": n, "scattered": args.scattered, "calls": calls_n,
                **{f"{k}_median_us": v for k, v in med.items()},
                **{f"{k}_p10_us": statistics.quantiles(v, n=10)[0] for k, v in times.items()},
                **{f"{k}_p90_us": statistics.quantiles(v, n=10)[-1] for k, v in times.items()}}
@@ -125,7 +132,8 @@ def main() -> None:
             for op, ref in (("store", "copy"), ("restore", "copy_h2d")):
                 for e in ("old", "new"):
                     rec[f"{e}_{op}_pct_of_copy"] = 100 * med[ref] / med[f"{e}_{op}"]
-                lines.append(f"{fmt} {n} pages {op}: copy {med[ref]:.1f} us; old "
+                kind = "scattered pages" if args.scattered else "pages"
+                lines.append(f"{fmt} {n} {kind} {op}: copy {med[ref]:.1f} us; old "
                              f"{med[f'old_{op}']:.1f} us ({rec[f'old_{op}_pct_of_copy']:.1f}% of "
                              f"the copy), new {med[f'new_{op}']:.1f} us "
                              f"({rec[f'new_{op}_pct_of_copy']:.1f}%); new/old paired median "
@@ -133,7 +141,7 @@ def main() -> None:
         records.append(rec)
     text = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host clock, each call "
             f"waited for, {calls_n} calls of each interleaved\n" + "\n".join(lines) + "\n")
-    tag = "" if n == 1 else f"_{n}p"
+    tag = ("" if n == 1 else f"_{n}p") + ("_scattered" if args.scattered and n > 1 else "")
     (out / f"ab_store{tag}.txt").write_text(text)
     (out / f"ab_store{tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     print(text)
