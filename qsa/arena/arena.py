@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from qsa.arena.digest import SMALL_SET
+from qsa.arena.fields import CacheFormats, FieldSpec, RowSpace, declare_row_spaces
+from qsa.presets import ModelPreset
 
 # Lists of Python ints up to this long take the accept-only fast path of `check_blocks`.
 FAST_IDS = 1 << 16
-from qsa.arena.fields import CacheFormats, FieldSpec, RowSpace, declare_row_spaces
-from qsa.presets import ModelPreset
 
 ALIGNMENT = 256  # bytes: every field of every row starts on this boundary inside a page
 LAYOUT_VERSION = 1  # bump when the placement rule below changes (it is part of the digest)

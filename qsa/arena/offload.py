@@ -31,9 +31,9 @@ landed chunk on the second stream while the next one copies, and meanwhile runs 
 digests backwards into the content sums it expects, so the check after the copy is one
 comparison, and the arena write of a multi-chunk restore is queued behind the digests on the
 device, gated by the same comparison, so no host round trip separates them. A set that copies
-in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested
-on the current stream instead, behind its copy: a few us of device time, where the stream and
-event calls it saves are host time, and the host decides a small offload. A store also takes
+in one piece (fewer than 2 * MIN_CHUNK_PAGES pages) is digested on the current stream instead,
+behind its copy, and checked on the host: a few us of device time, where the stream, event and
+launch calls it saves are host time, and the host decides a small offload. A store also takes
 its new set id and folds everything but the page bytes into the digests while its copy runs.
 """
 

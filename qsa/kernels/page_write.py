@@ -66,8 +66,8 @@ def write_if_intact(staged: torch.Tensor, pages: torch.Tensor, parts: torch.Tens
     the device): row 0 the expected content sums (uint64 bit patterns), row 1 the target
     blocks; rows 2 and 3 written by the check: 1 where a page's sum differed, and each
     page's content sum (so the host reads n sums, not n * chunks parts). Wait for the
-    returned event before reading them or dropping `plan` and `parts`; target blocks must be distinct and in
-    range (the caller checked them): the kernel does not.
+    returned event before reading them or dropping `plan` and `parts`. Target blocks must be
+    distinct and in range (the caller checked them): the kernel does not.
     """
     n, p = _check(staged, pages, parts, plan)
     if n == 0:
