@@ -41,6 +41,37 @@ def traced(name: str, fn):
     return wrapper
 
 
+def call_table(top: str, skip: int) -> list[str]:
+    """One line per call made inside the `top` calls recorded in `marks` (after the first
+    `skip` of them): its median start and duration in us relative to the `top` call's start,
+    indented by nesting, in order of start."""
+    done, cur, stack = [], None, []
+    for name, kind, t in marks:
+        if name == top and kind == "in":
+            cur, stack = {"_t0": t, "calls": []}, []
+        elif name == top:
+            done.append(cur)
+        elif cur is None:
+            continue
+        elif kind == "in":
+            stack.append((name, t))
+        else:
+            n, t_in = stack.pop()
+            cur["calls"].append((len(stack), n, t_in - cur["_t0"], t - t_in))
+    starts, durs, depth = defaultdict(list), defaultdict(list), {}
+    for s in done[skip:]:
+        seen = defaultdict(int)
+        for d, n, st, du in s["calls"]:
+            key = f"{n}#{seen[n]}"
+            seen[n] += 1
+            starts[key].append(st / 1e3)
+            durs[key].append(du / 1e3)
+            depth[key] = d
+    return [f"{statistics.median(starts[k]):9.1f} {statistics.median(durs[k]):9.1f}"
+            f"  {'  ' * depth[k]}{k}"
+            for k in sorted(starts, key=lambda k: statistics.median(starts[k]))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -82,35 +113,11 @@ def main() -> None:
         walls.append(time.perf_counter() - t0)
         marks.append(("store", "out", time.perf_counter_ns()))
         sync()
-    # per store: each call's start and duration relative to the store's start (median)
-    done, cur, stack = [], None, []
-    for name, kind, t in marks:
-        if name == "store" and kind == "in":
-            cur, stack = {"_t0": t, "calls": []}, []
-        elif name == "store":
-            cur["wall"] = t - cur["_t0"]
-            done.append(cur)
-        elif kind == "in":
-            stack.append((name, t))
-        else:
-            n, t_in = stack.pop()
-            cur["calls"].append((len(stack), n, t_in - cur["_t0"], t - t_in))
-    starts, durs, depth = defaultdict(list), defaultdict(list), {}
-    for s in done[20:]:
-        seen = defaultdict(int)
-        for d, n, st, du in s["calls"]:
-            key = f"{n}#{seen[n]}"
-            seen[n] += 1
-            starts[key].append(st / 1e3)
-            durs[key].append(du / 1e3)
-            depth[key] = d
     lines = [f"{args.layout}: {stores} stores of {args.pages} pages, the last {stores - 20}: "
              "wall median "
              f"{statistics.median(walls[20:]) * 1e6:.1f} us (host clock, wrappers included)",
-             "", "  start us    dur us  call (median over stores; indent = nesting)"]
-    for key in sorted(starts, key=lambda k: statistics.median(starts[k])):
-        lines.append(f"{statistics.median(starts[key]):9.1f} {statistics.median(durs[key]):9.1f}"
-                     f"  {'  ' * depth[key]}{key}")
+             "", "  start us    dur us  call (median over stores; indent = nesting)",
+             *call_table("store", 20)]
     # the device side, unwrapped calls
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(30):

@@ -29,7 +29,7 @@ from qsa.kernels import page_write as pw
 from qsa.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bound-launch"))
-from store_trace import marks, traced  # noqa: E402  (the store's wrappers and mark list)
+from store_trace import call_table, marks, traced  # noqa: E402  (the store's tracing)
 
 RESTORES = 80
 
@@ -107,38 +107,13 @@ def main() -> None:
                 chunk_us[f"gap before chunk {i} (device)"].append(
                     events[i - 1][1].elapsed_time(a) * 1e3)
         arena.free(got)
-    done, cur, stack = [], None, []
-    for name, kind, t in marks:
-        if name == "restore" and kind == "in":
-            cur, stack = {"_t0": t, "calls": []}, []
-        elif name == "restore":
-            cur["wall"] = t - cur["_t0"]
-            done.append(cur)
-        elif cur is None:
-            continue
-        elif kind == "in":
-            stack.append((name, t))
-        else:
-            nm, t_in = stack.pop()
-            cur["calls"].append((len(stack), nm, t_in - cur["_t0"], t - t_in))
-    starts, durs, depth = defaultdict(list), defaultdict(list), {}
-    for s in done[10:]:
-        seen = defaultdict(int)
-        for d, nm, st, du in s["calls"]:
-            key = f"{nm}#{seen[nm]}"
-            seen[nm] += 1
-            starts[key].append(st / 1e3)
-            durs[key].append(du / 1e3)
-            depth[key] = d
     kind = "scattered" if args.scattered else "consecutive"
     lines = [f"{args.layout}: {RESTORES} restores of {n} {kind} pages, the last "
              f"{RESTORES - 10}: wall median {statistics.median(walls[10:]) * 1e6:.1f} us "
              f"(host clock, wrappers and chunk events included; waited for); a pinned copy of "
              f"the same bytes with its wait: {statistics.median(copies):.1f} us",
-             "", "  start us    dur us  call (median over restores; indent = nesting)"]
-    for key in sorted(starts, key=lambda k: statistics.median(starts[k])):
-        lines.append(f"{statistics.median(starts[key]):9.1f} {statistics.median(durs[key]):9.1f}"
-                     f"  {'  ' * depth[key]}{key}")
+             "", "  start us    dur us  call (median over restores; indent = nesting)",
+             *call_table("restore", 10)]
     lines += ["", "device, from events around each host-to-device copy (median us):"]
     lines += [f"  {k}: {statistics.median(v):.1f}" for k, v in chunk_us.items()]
     args.out.mkdir(parents=True, exist_ok=True)
