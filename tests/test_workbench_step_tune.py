@@ -227,12 +227,24 @@ def _tuned(us, iqr, noise_rel=0.01):
 def test_write_winner_stores_provenance(monkeypatch, tmp_path):
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
     df, cfgs = _tuned([10.0, 7.5], [0.2, 0.1])
+    df["batch"], df["context"], df["rows"] = 32, 32768, 4  # the point's record, as `tune` adds
     won = tune_mod.write_winner(df, "score_stacked", "sm90", "bf16", 256)
     assert won == cfgs[1]
     choice = get_config("score_stacked", "sm90", "bf16", 200, table_dir=tmp_path)
     assert choice.config == cfgs[1] and choice.tuned
     assert choice.provenance["us"] == 7.5 and choice.provenance["previous_us"] == 10.0
     assert choice.provenance["verdict"] == "faster"
+    assert choice.provenance["shape"] == {"batch": 32, "context": 32768, "rows": 4}
+
+
+def test_stacked_scorer_calls_of_one_context_and_other_batches_have_their_own_entries():
+    """The stacked scorer's grid covers requests x groups: a batch-32 call at the context of a
+    batch-8 one is a grid four times larger, and must not be served the batch-8 entry."""
+    from qsa.workbench.ops import Point, config_coordinate, prepare
+
+    sizes = {b: config_coordinate(prepare(Point("score_stacked", TINY, b, 160, 2))).size
+             for b in (2, 8)}
+    assert sizes == {2: 2 * 40, 8: 8 * 40}  # 160 tokens: 40 groups per request
 
 
 def test_a_win_inside_the_noise_confirms_the_current_entry(monkeypatch, tmp_path):
@@ -428,11 +440,12 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
     assert df["status"].tolist() == ["tuned", "same coordinate as shape 0", "tuned", "tuned"]
     assert [r["status"] for r in seen] == df["status"].tolist()  # handed over as they finish
     assert (df.loc[[0, 2, 3], "candidates"] == 2).all()
-    assert df.loc[0, "bucket"] == 40 and df.loc[0, "fmt"] == "bf16"  # score width, not rows
+    # requests x score width (2 x 40 groups), not rows
+    assert df.loc[0, "bucket"] == 80 and df.loc[0, "fmt"] == "bf16"
     # An entry tuned at that coordinate on this device and versions is skipped on a rerun.
     prov = {"tuned": True, "device": detect_device().name, "torch": torch.__version__,
             "triton": triton.__version__}
-    write_entry("score_stacked", "default", "bf16", 40, BlockConfig({"BLOCK_N": 16,
+    write_entry("score_stacked", "default", "bf16", 80, BlockConfig({"BLOCK_N": 16,
                 "HOIST_Q_MIN_TILES": 4, "MAX_TILES": 4, "PROGRAMS_PER_UNIT": 1}), prov)
     write_entry("topk", "default", "fp32", int(df.loc[2, "bucket"]),
                 get_config("topk", "default", "fp32", 1).config, {**prov, "triton": "0.0"})

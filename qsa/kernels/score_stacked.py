@@ -180,7 +180,10 @@ def score_stacked(cache: dict[str, torch.Tensor], batch: PagedBatch, q_index: to
         return inp.out
     h_pad = triton.next_power_of_2(inp.heads)
     block_r = max(triton.next_power_of_2(rmax), MIN_MMA_M // h_pad)
-    cfg, launch = lookup(KERNEL, index_format, inp.width, config)
+    # The table's coordinate is the key groups the grid covers (requests x the widest
+    # request's groups): width alone put a batch-32 step call on the entry tuned for batch 8
+    # at the same context, a grid four times smaller.
+    cfg, launch = lookup(KERNEL, index_format, batch.batch * inp.width, config)
     kw, host = split_config(cfg, launch)
     require("HOIST_Q_MIN_TILES" in host, "config: the stacked scorer needs meta key "
             "HOIST_Q_MIN_TILES (tiles per program from which q is loaded once, not per tile)")

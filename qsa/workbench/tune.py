@@ -56,6 +56,7 @@ MAX_WARPS = {"cuda": 32, "hip": 16, "interpreter": 32}
 MAX_SEEDS = 3
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
+SHAPE_KEYS = ("batch", "context", "rows")  # of the point an entry is tuned at (provenance)
 
 
 def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
@@ -532,10 +533,18 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
             "triton": dev.triton_version, "us": float(best["us"]),
             "p10_us": float(best["p10_us"]), "p90_us": float(best["p90_us"]),
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
-            "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None, **extra}
+            "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None,
+            **_tuned_shape(best), **extra}
     cfg = _config(best)
     write_entry(KERNEL_OF[op], arch, fmt, bucket, cfg, prov)
     return cfg
+
+
+def _tuned_shape(row: pd.Series) -> dict[str, Any]:
+    """The shape the entry was timed at (batch, context, rows), kept with it: buckets cover
+    many shapes, and which one an entry was tuned for decides whether it fits another."""
+    shape = {k: int(row[k]) for k in SHAPE_KEYS if k in row.index}
+    return {"shape": shape} if shape else {}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["recheck"]:
