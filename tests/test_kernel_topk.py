@@ -24,9 +24,10 @@ from support import DEVICE
 from support import compile_for_gpu_targets
 
 POISON = -7  # not a token id and not the -1 pad
-# The k-th key search: 0 = bisection, D = radix select on D-bit digits (5 and 11 do not divide
-# 32, so their last digit overlaps decided bits).
-ALGOS = pytest.mark.parametrize("radix", [0, 8, 5], ids=["bisect", "radix8", "radix5"])
+# The k-th key search: bisection (from the top bit, or below the bits the bound shows every
+# candidate shares: config key BOUND), or radix select on D-bit digits ("radixD"; 5 and 11 do
+# not divide 32, so their last digit overlaps decided bits).
+ALGOS = pytest.mark.parametrize("algo", ["bisect", "bisect-bound", "radix8", "radix5"])
 
 
 def _realistic(preset, ctx, rows, fmt="bf16", seed=0, device=DEVICE):
@@ -46,9 +47,16 @@ def _batch(preset, ctx, rows, seed=0, device=DEVICE) -> PagedBatch:
     return make_batch(spec, torch.Generator().manual_seed(seed), device)
 
 
-def _algo(radix: int, n_cols: int, base: BlockConfig | None = None) -> BlockConfig:
+def _search(algo: str) -> dict[str, int]:
+    """The meta keys of a search named as in ALGOS."""
+    if algo.startswith("radix"):
+        return {"RADIX_BITS": int(algo[5:]), "BOUND": 0}
+    return {"RADIX_BITS": 0, "BOUND": int(algo == "bisect-bound")}
+
+
+def _algo(algo: str, n_cols: int, base: BlockConfig | None = None) -> BlockConfig:
     """The table's config for this row length (or `base`) with the given search."""
-    return (base or lookup(KERNEL, FORMAT, n_cols)[0]).with_meta(RADIX_BITS=radix)
+    return (base or lookup(KERNEL, FORMAT, n_cols)[0]).with_meta(**_search(algo))
 
 
 def _check(scores: torch.Tensor, batch: PagedBatch, preset, config=None) -> torch.Tensor:
@@ -81,24 +89,25 @@ def test_many_rows_read_their_own_table_entries(monkeypatch) -> None:
 
 @ALGOS
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_small_k_realistic_scores(fmt: str, radix: int) -> None:
+def test_small_k_realistic_scores(fmt: str, algo: str) -> None:
     """k = 8 so short contexts need a search; rows 1, 4 and 8 per request, ragged."""
     p = get_preset(block_size=16, topk_groups=8)
     batch, s = _realistic(p, (3, 37, 70, 130, 201, 64), (1, 4, 1, 4, 2, 8), fmt, seed=1)
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
 @ALGOS
-def test_default_k_realistic_scores_multi_chunk(radix: int) -> None:
+def test_default_k_realistic_scores_multi_chunk(algo: str) -> None:
     """k = 512 with visible up to 2250 groups: the search, and a final pass over several chunks."""
     p = get_preset(block_size=64)
     batch, s = _realistic(p, (2100, 9000, 2052), (1, 2, 4), seed=2)
     assert int(visible_groups(batch).max()) > 2048
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
-@pytest.mark.parametrize("radix", [0, 8, 5, 11, 1])
-def test_heavy_ties(radix: int) -> None:
+@pytest.mark.parametrize("algo", ["bisect", "bisect-bound", "radix8", "radix5", "radix11",
+                                  "radix1"])
+def test_heavy_ties(algo: str) -> None:
     """Mostly exact zeros (ReLU), a few repeated levels, +0 and -0 mixed, whole rows of zeros
     and a row of one constant: ties go to the lower group index."""
     p = get_preset(block_size=16, topk_groups=8)
@@ -111,20 +120,20 @@ def test_heavy_ties(radix: int) -> None:
     s[1] = 0.0
     s[2] = -0.0
     s[5] = 3.25
-    _check(s.to(DEVICE), batch, p, _algo(radix, w))
+    _check(s.to(DEVICE), batch, p, _algo(algo, w))
 
 
 @ALGOS
-def test_default_k_ties_whole_row_of_zeros(radix: int) -> None:
+def test_default_k_ties_whole_row_of_zeros(algo: str) -> None:
     p = get_preset(block_size=64)
     batch = _batch(p, (4000, 2100), (2, 1), seed=4)
     s = torch.zeros(batch.num_rows, 1000, device=DEVICE)
     s[1, 700:] = 1.0  # 300 groups above the zeros: the other 212 are the lowest zero groups
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
 @ALGOS
-def test_negative_scores_and_neg_inf(radix: int) -> None:
+def test_negative_scores_and_neg_inf(algo: str) -> None:
     """General FP32 order (signed head weights can make scores negative; -inf inside visible)."""
     p = get_preset(block_size=16, topk_groups=8)
     batch = _batch(p, (200, 120), (3, 2), seed=5)
@@ -134,38 +143,50 @@ def test_negative_scores_and_neg_inf(radix: int) -> None:
     s[torch.rand(s.shape, generator=gen) < 0.1] = 0.0
     s[torch.rand(s.shape, generator=gen) < 0.1] = -0.0
     s[0, :40] = float("-inf")  # fewer than k finite scores
-    _check(s.to(DEVICE), batch, p, _algo(radix, s.shape[1]))
+    _check(s.to(DEVICE), batch, p, _algo(algo, s.shape[1]))
+
+
+@pytest.mark.parametrize("k", [6, 7, 13])
+def test_bound_with_k_not_a_power_of_two(k: int) -> None:
+    """The bound takes next_power_of_2(k) groups: still at least k distinct keys above it.
+    Rows of few levels put the k-th key on a tie, or make the bound equal the largest key."""
+    p = get_preset(block_size=16, topk_groups=k)
+    batch, s = _realistic(p, (300, 211, 97), (3, 2, 2), seed=15)
+    s[1] = torch.round(s[1] * 2) / 2
+    s[2, :] = 0.75
+    s[3, ::3] = 5.0
+    _check(s, batch, p, _algo("bisect-bound", s.shape[1]))
 
 
 @ALGOS
-def test_visible_around_k(radix: int) -> None:
+def test_visible_around_k(algo: str) -> None:
     """visible = k - 1, k (dense, no search) and k + 1 (search) in one request's rows."""
     p = get_preset(block_size=16, topk_groups=8)
     batch = _batch(p, (40,), (12,), seed=6)  # positions 28..39: visible 7, 8, 9, 10
     gen = torch.Generator().manual_seed(6)
     s = torch.rand(batch.num_rows, 10, generator=gen).to(DEVICE)
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
 @ALGOS
-def test_short_contexts_and_empty_rows(radix: int) -> None:
+def test_short_contexts_and_empty_rows(algo: str) -> None:
     """ctx < 4 (visible 0: tail only), a request with no rows, and a call with no rows."""
     p = get_preset(block_size=16, topk_groups=8)
     batch = _batch(p, (1, 3, 2, 9), (1, 3, 0, 2), seed=7)
     s = torch.rand(batch.num_rows, 2).to(DEVICE)
-    out = _check(s, batch, p, _algo(radix, s.shape[1]))
+    out = _check(s, batch, p, _algo(algo, s.shape[1]))
     assert out[0, 0] == 0 and (out[0, 1:] == -1).all()
     empty = _batch(p, (5, 8), (0, 0), seed=8)
-    got = topk_expand(torch.empty(0, 2, device=DEVICE), empty, p, _algo(radix, 2))
+    got = topk_expand(torch.empty(0, 2, device=DEVICE), empty, p, _algo(algo, 2))
     assert got.shape == (0, p.expand_width)
 
 
 @ALGOS
-def test_one_row_decode_equals_verify_row(radix: int) -> None:
+def test_one_row_decode_equals_verify_row(algo: str) -> None:
     """Each row of a 4-row verify selects what a 1-row decode of that token selects."""
     p = get_preset(block_size=16, topk_groups=8)
     batch, s = _realistic(p, (150, 91), (4, 4), seed=9)
-    cfg = _algo(radix, s.shape[1])
+    cfg = _algo(algo, s.shape[1])
     four = topk_expand(s, batch, p, cfg)
     for r in range(batch.num_rows):
         req = int(batch.row_request[r])
@@ -176,13 +197,13 @@ def test_one_row_decode_equals_verify_row(radix: int) -> None:
 
 
 @ALGOS
-def test_explicit_config_and_strided_rows(radix: int) -> None:
+def test_explicit_config_and_strided_rows(algo: str) -> None:
     p = get_preset(block_size=16, topk_groups=8)
     batch, s = _realistic(p, (120, 77), (2, 3), seed=10)
     wide = torch.full((s.shape[0], s.shape[1] + 13), float("nan"), device=DEVICE)
     wide[:, :s.shape[1]] = s
     _check(wide[:, :s.shape[1]], batch, p,
-           BlockConfig({"CHUNK": 8, "RADIX_BITS": radix}, num_warps=2, num_stages=1))
+           BlockConfig({"CHUNK": 8, **_search(algo)}, num_warps=2, num_stages=1))
 
 
 def test_errors() -> None:
@@ -206,6 +227,7 @@ def test_errors() -> None:
         "config": lambda: topk_expand(s, batch, p, BlockConfig({"CHUNK": 24})),
         "radix bits": lambda: topk_expand(s, batch, p, BlockConfig(
             {"CHUNK": 8, "RADIX_BITS": MAX_RADIX_BITS + 1})),
+        "bound": lambda: topk_expand(s, batch, p, BlockConfig({"CHUNK": 8, "BOUND": 2})),
     }
     for what, fn in cases.items():
         with pytest.raises(KernelInputError):
@@ -218,11 +240,12 @@ def test_topk_compiles_for_gpu_targets() -> None:
            "pos_ptr": "*i32", "ctx_ptr": "*i32", "qs_ptr": "*i32", "batch": "i32",
            "n_cols": "i32"}
     variants = []
-    for block_n, chunk, warps, radix in ((2048, 1024, 4, 0), (32768, 4096, 16, 0),
-                                         (2048, 1024, 4, 8), (32768, 4096, 16, 8),
-                                         (8192, 2048, 8, 5)):
+    for block_n, chunk, warps, radix, groups in ((2048, 1024, 4, 0, 0), (32768, 4096, 16, 0, 0),
+                                                 (2048, 1024, 4, 0, 512), (8192, 4096, 16, 0, 512),
+                                                 (2048, 1024, 4, 8, 0), (32768, 4096, 16, 8, 0),
+                                                 (8192, 2048, 8, 5, 0)):
         consts = {"K": 512, "OUT_W": 2051, "BLOCK_N": block_n, "BLOCK_B": 64, "BLOCK_O": 4096,
-                  "CHUNK": chunk, "RADIX_BITS": radix}
+                  "CHUNK": chunk, "RADIX_BITS": radix, "BOUND_GROUPS": groups}
         variants.append(({**sig, **{k: "constexpr" for k in consts}}, consts,
                          {"num_warps": warps}))
     compile_for_gpu_targets("qsa.kernels.topk", "_topk_expand_kernel", variants)
@@ -235,7 +258,7 @@ def test_env_overrides_table_not_explicit_config(monkeypatch: pytest.MonkeyPatch
     batch, s = _realistic(p, (130, 77), (2, 3), seed=15)
     monkeypatch.setenv(RADIX_ENV, "8")
     _check(s, batch, p)
-    _check(s, batch, p, _algo(0, s.shape[1]))
+    _check(s, batch, p, _algo("bisect", s.shape[1]))
     monkeypatch.setenv(RADIX_ENV, str(MAX_RADIX_BITS + 1))
     with pytest.raises(KernelInputError):
         topk_expand(s, batch, p)
@@ -263,22 +286,22 @@ def _relu_like_scores(rows: int, w: int, seed: int) -> torch.Tensor:
 @pytest.mark.gpu
 @ALGOS
 @pytest.mark.parametrize("batch_size,ctx", [(64, 131072), (2, 262144)])
-def test_gpu_large_rows(batch_size: int, ctx: int, radix: int) -> None:
+def test_gpu_large_rows(batch_size: int, ctx: int, algo: str) -> None:
     p = get_preset()
     batch = _batch(p, (ctx,) * batch_size, (4,) * batch_size, seed=12, device="cuda")
     s = _relu_like_scores(batch.num_rows, ctx // 4, 12)
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
 @pytest.mark.gpu
 @ALGOS
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("batch_size,ctx", [(1, 8192), (8, 32768)])
-def test_gpu_realistic(fmt: str, batch_size: int, ctx: int, radix: int) -> None:
+def test_gpu_realistic(fmt: str, batch_size: int, ctx: int, algo: str) -> None:
     p = get_preset()
     ctxs = tuple(ctx - 13 * i for i in range(batch_size))
     batch, s = _realistic(p, ctxs, (4,) * batch_size, fmt, seed=13, device="cuda")
-    _check(s, batch, p, _algo(radix, s.shape[1]))
+    _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
 @pytest.mark.gpu

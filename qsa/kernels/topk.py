@@ -22,7 +22,10 @@ Selection (one program per row, the row held in registers):
   - RADIX_BITS = 0, bisection on the key's bits, most significant first: a candidate bit is
     kept while at least k keys are >= prefix | bit. Each pass is one compare + count per key
     (~3 instructions) and one block reduction; it stops once exactly k keys are >= the prefix
-    (about 20 passes for continuous scores), else after 32 (ties).
+    (about 20 passes for continuous scores), else after 32 (ties). With the meta key BOUND=1
+    it starts below the bits every candidate for the k-th key shares: that key lies between
+    the largest key and the smallest of k (rounded up to a power of two) group maxima, two
+    reductions that skip the bits above the highest one where those bounds differ.
   - RADIX_BITS = D > 0, radix select: ceil(32 / D) passes, each a `tl.histogram` of the next D
     bits over the keys that match the prefix found so far; a suffix sum over the bins gives
     the digit of the k-th largest key. Fewer passes (4 at D = 8) and block-wide syncs, but the
@@ -87,12 +90,40 @@ def _tail_ids(o, base, tail0, tail_len):
 
 
 @triton.jit
-def _kth_key_bisect(key, n, K: tl.constexpr):
+def _high_bit(x):
+    """Position of the highest set bit of a uint32 scalar (0 for x <= 1)."""
+    h = tl.zeros((), tl.int32)
+    for j in tl.static_range(5):  # halves of 16, 8, 4, 2, 1 bits
+        up = (x >> (16 >> j)) != 0
+        h += tl.where(up, 16 >> j, 0)
+        x = tl.where(up, x >> (16 >> j), x)
+    return h
+
+
+@triton.jit
+def _kth_key_bisect(key, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_GROUPS: tl.constexpr):
     """Bisection on the bits of the k-th largest key, most significant bit first. Returns a
-    threshold t with #keys > t < K <= #keys >= t (t is the k-th key, or exactly K keys >= t)."""
+    threshold t with #keys > t < K <= #keys >= t (t is the k-th key, or exactly K keys >= t).
+
+    BOUND_GROUPS = G > 0 (G >= K, G <= BLOCK_N) starts below the bits every candidate shares:
+    the k-th key lies between the smallest of G group maxima (G distinct keys are >= it) and
+    the largest key, so the bits above the highest one where those two differ are the k-th
+    key's too (config key BOUND). Two reductions
+    instead of one per bit: on the workbench's scores at 8K candidates they skip 7 of about
+    20 passes, at 2K candidates (groups of 4) one (profiles/nvidia-h200/bench/topk/bound/)."""
     prefix = tl.zeros((), tl.uint32)
-    n_ge = n  # keys >= prefix
+    n_ge = n  # keys >= prefix, or n before the first pass (n > K: not an early exit)
     i = tl.zeros((), tl.int32)
+    if BOUND_GROUPS:
+        top = tl.max(key)
+        # any grouping does: each group's maximum is a different key (padding keys are 0)
+        low = tl.min(tl.max(tl.reshape(key, (BOUND_GROUPS, BLOCK_N // BOUND_GROUPS),
+                                       can_reorder=True), axis=1))
+        diff = top ^ low
+        h = _high_bit(diff)  # bits above h agree; none differ when diff is 0
+        i = tl.where(diff == 0, 32, 31 - h)
+        bit = tl.full((), 1, tl.uint32) << h.to(tl.uint32)
+        prefix = tl.where(diff == 0, top, top ^ (top & (bit | (bit - 1))))  # bits h..0 cleared
     while (i < 32) & (n_ge != K):
         cand = prefix | (tl.full((), 1, tl.uint32) << (31 - i).to(tl.uint32))
         c = tl.sum((key >= cand).to(tl.int32))
@@ -130,11 +161,12 @@ def _kth_key_radix(key, n, K: tl.constexpr, RADIX_BITS: tl.constexpr):
     return prefix
 
 
-@triton.jit(repr=kernel_repr(KERNEL, ("K", "BLOCK_N", "CHUNK", "RADIX_BITS")))
+@triton.jit(repr=kernel_repr(KERNEL, ("K", "BLOCK_N", "CHUNK", "RADIX_BITS", "BOUND_GROUPS")))
 def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_ptr, qs_ptr,
                         batch, n_cols, K: tl.constexpr, OUT_W: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr,
-                        CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
+                        CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                        BOUND_GROUPS: tl.constexpr):
     row = tl.program_id(0)
     bb = tl.arange(0, BLOCK_B)
     ends = tl.load(qs_ptr + 1 + bb, mask=bb < batch, other=2147483647)
@@ -157,7 +189,7 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
         g = tl.arange(0, BLOCK_N)
         key = _order_keys(tl.load(s_row + g, mask=g < n, other=0.0), g < n)
         if RADIX_BITS == 0:
-            prefix = _kth_key_bisect(key, n, K)
+            prefix = _kth_key_bisect(key, n, K, BLOCK_N, BOUND_GROUPS)
         else:
             prefix = _kth_key_radix(key, n, K, RADIX_BITS)
         # Keys > prefix all go in; keys == prefix go in by ascending group while slots remain.
@@ -249,6 +281,12 @@ def topk_expand(scores: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
         block_n = max(block_n, 64 * cfg.num_warps)
     kw["CHUNK"] = min(cfg.meta["CHUNK"], block_n)  # the final pass's chunk, at most the row
     kw["RADIX_BITS"] = radix
+    bound = kw.pop("BOUND", 0)  # an entry written before the switch existed: off
+    require(bound in (0, 1), f"config: meta BOUND must be 0 or 1, got {bound}")
+    # K groups or more (a power of two) within the row's block; rows of at most K groups never
+    # search (dense causal), so a block that small needs no bound
+    groups = triton.next_power_of_2(k)
+    kw["BOUND_GROUPS"] = groups if bound and not radix and block_n >= groups else 0
     _topk_expand_kernel[(rows,)](
         scores, scores.stride(0), out, out.stride(0), batch.positions, batch.context_lens,
         batch.query_start, batch.batch, n_cols, K=k, OUT_W=width, BLOCK_N=block_n,
