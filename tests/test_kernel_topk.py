@@ -242,6 +242,7 @@ def test_topk_compiles_for_gpu_targets() -> None:
     variants = []
     for block_n, chunk, warps, radix, groups in ((2048, 1024, 4, 0, 0), (32768, 4096, 16, 0, 0),
                                                  (2048, 1024, 4, 0, 512), (8192, 4096, 16, 0, 512),
+                                                 (8192, 8192, 16, 0, 512), (2048, 2048, 4, 0, 0),
                                                  (2048, 1024, 4, 8, 0), (32768, 4096, 16, 8, 0),
                                                  (8192, 2048, 8, 5, 0)):
         consts = {"K": 512, "OUT_W": 2051, "BLOCK_N": block_n, "BLOCK_B": 64, "BLOCK_O": 4096,

@@ -32,7 +32,8 @@ Selection (one program per row, the row held in registers):
     histogram costs per key ~3 D ballot instructions plus 2^D / 32 bin masks and popcounts
     (~60 at D = 8, ~28 at D = 5), against bisection's ~3 per pass. It stops early once the
     chosen bin holds exactly the keys still needed.
-* A last pass streams the row in chunks and keeps every key > threshold plus, among keys equal to
+* A last pass streams the row in chunks (or, when the config's CHUNK covers the row, takes the
+  keys already in registers) and keeps every key > threshold plus, among keys equal to
   it, the lowest group indices (the spec's tie rule, so a 1-row decode and a 4-row verify of the
   same token select the same groups). One packed prefix count gives each selected group its
   output slot, so the output is in ascending group order without a sort.
@@ -161,6 +162,22 @@ def _kth_key_radix(key, n, K: tl.constexpr, RADIX_BITS: tl.constexpr):
     return prefix
 
 
+@triton.jit
+def _select_chunk(kc, gc, n, prefix, need, seen, out_row):
+    """Write the token ids of the selected groups among keys `kc` of groups `gc`, given the
+    packed counts of the groups before them (`seen`); returns this chunk's packed counts."""
+    gt = kc > prefix
+    eq = (kc == prefix) & (gc < n)
+    packed = eq.to(tl.int32) + (gt.to(tl.int32) << EQ_BITS)
+    before = seen + tl.cumsum(packed, 0) - packed
+    n_eq_before = before & EQ_MASK
+    sel = gt | (eq & (n_eq_before < need))
+    slot = (before >> EQ_BITS) + tl.minimum(n_eq_before, need)
+    for t in tl.static_range(4):
+        tl.store(out_row + slot * 4 + t, gc * 4 + t, mask=sel)
+    return tl.sum(packed)
+
+
 @triton.jit(repr=kernel_repr(KERNEL, ("K", "BLOCK_N", "CHUNK", "RADIX_BITS", "BOUND_GROUPS")))
 def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_ptr, qs_ptr,
                         batch, n_cols, K: tl.constexpr, OUT_W: tl.constexpr,
@@ -195,22 +212,16 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
         # Keys > prefix all go in; keys == prefix go in by ascending group while slots remain.
         # Each selected group's slot = #greater before it + min(#equal before it, slots left).
         need = K - tl.sum((key > prefix).to(tl.int32))  # slots left for keys == prefix
-        seen = tl.zeros((), tl.int32)  # packed counts of the chunks before: #equal | #greater
-        start = tl.zeros((), tl.int32)
-        while start < n:
-            gc = start + tl.arange(0, CHUNK)
-            kc = _order_keys(tl.load(s_row + gc, mask=gc < n, other=0.0), gc < n)
-            gt = kc > prefix
-            eq = (kc == prefix) & (gc < n)
-            packed = eq.to(tl.int32) + (gt.to(tl.int32) << EQ_BITS)
-            before = seen + tl.cumsum(packed, 0) - packed
-            n_eq_before = before & EQ_MASK
-            sel = gt | (eq & (n_eq_before < need))
-            slot = (before >> EQ_BITS) + tl.minimum(n_eq_before, need)
-            for t in tl.static_range(4):
-                tl.store(out_row + slot * 4 + t, gc * 4 + t, mask=sel)
-            seen += tl.sum(packed)
-            start += CHUNK
+        if CHUNK >= BLOCK_N:  # one chunk: the row's keys are in registers already
+            _select_chunk(key, g, n, prefix, need, tl.zeros((), tl.int32), out_row)
+        else:
+            seen = tl.zeros((), tl.int32)  # packed counts of the chunks before: #eq | #greater
+            start = tl.zeros((), tl.int32)
+            while start < n:
+                gc = start + tl.arange(0, CHUNK)
+                kc = _order_keys(tl.load(s_row + gc, mask=gc < n, other=0.0), gc < n)
+                seen += _select_chunk(kc, gc, n, prefix, need, seen, out_row)
+                start += CHUNK
         tail_cols = 4 * K + tl.arange(0, 4)
         tl.store(out_row + tail_cols, _tail_ids(tail_cols, 4 * K, tail0, tail_len),
                  mask=tail_cols < OUT_W)
