@@ -235,6 +235,18 @@ def test_write_winner_stores_provenance(monkeypatch, tmp_path):
     assert choice.provenance["us"] == 7.5 and choice.provenance["previous_us"] == 10.0
     assert choice.provenance["verdict"] == "faster"
     assert choice.provenance["shape"] == {"batch": 32, "context": 32768, "rows": 4}
+    assert "earlier" not in choice.provenance  # the bucket held no tuned entry before
+    # A second run that confirms the entry keeps the first run's gain, one level deep.
+    df2, _ = _tuned([7.5, 7.6], [0.1, 0.1])
+    df2["config"] = [json.dumps(cfgs[1].as_dict()), json.dumps(cfgs[0].as_dict())]
+    assert tune_mod.write_winner(df2, "score_stacked", "sm90", "bf16", 256) == cfgs[1]
+    prov = get_config("score_stacked", "sm90", "bf16", 256, table_dir=tmp_path).provenance
+    assert prov["verdict"] == "confirmed"
+    earlier = prov["earlier"]
+    assert earlier["us"] == 7.5 and earlier["previous_us"] == 10.0
+    assert earlier["verdict"] == "faster" and earlier["config"] == cfgs[1].as_dict()
+    assert earlier["shape"] == {"batch": 32, "context": 32768, "rows": 4}
+    assert "earlier" not in earlier
 
 
 def test_stacked_scorer_calls_of_one_context_and_other_batches_have_their_own_entries():

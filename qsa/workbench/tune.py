@@ -57,6 +57,8 @@ MAX_SEEDS = 3
 STAGES = {"cuda": (1, 2, 3, 4), "hip": (1, 2), "interpreter": (2,)}
 WAVES_PER_EU = (0, 1, 2)
 SHAPE_KEYS = ("batch", "context", "rows")  # of the point an entry is tuned at (provenance)
+# What a tuning record keeps of the one it replaces (`provenance.earlier`)
+EARLIER_KEYS = ("date", "device", "torch", "triton", "verdict", "us", "previous_us", "shape")
 
 
 def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
@@ -535,9 +537,27 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
             "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None,
             **_tuned_shape(best), **extra}
+    earlier = _tuned_entry(KERNEL_OF[op], arch, fmt, bucket)
+    if earlier is not None:
+        prov["earlier"] = earlier
     cfg = _config(best)
     write_entry(KERNEL_OF[op], arch, fmt, bucket, cfg, prov)
     return cfg
+
+
+def _tuned_entry(kernel: str, arch: str, fmt: str, bucket: int) -> dict[str, Any] | None:
+    """What a new tuning record replaces at this coordinate, one level deep: the entry's
+    config and the summary of its own tuning (a confirmation would otherwise erase the gain
+    an earlier run measured). None where the entry was never tuned."""
+    try:
+        entry = load_table(kernel)[arch][fmt][str(bucket)]
+    except (ConfigError, KeyError):
+        return None
+    prov = entry.get("provenance", {})
+    if not prov.get("tuned"):
+        return None
+    return {"config": BlockConfig.from_dict(entry).as_dict(),
+            **{k: prov[k] for k in EARLIER_KEYS if k in prov}}
 
 
 def _tuned_shape(row: pd.Series) -> dict[str, Any]:
