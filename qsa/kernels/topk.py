@@ -109,9 +109,9 @@ def _kth_key_bisect(key, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_GROUPS
     BOUND_GROUPS = G > 0 (G >= K, G <= BLOCK_N) starts below the bits every candidate shares:
     the k-th key lies between the smallest of G group maxima (G distinct keys are >= it) and
     the largest key, so the bits above the highest one where those two differ are the k-th
-    key's too (config key BOUND). Two reductions
-    instead of one per bit: on the workbench's scores at 8K candidates they skip 7 of about
-    20 passes, at 2K candidates (groups of 4) one (profiles/nvidia-h200/bench/topk/bound/)."""
+    key's too (config key BOUND). Two reductions instead of one per shared bit: on the
+    workbench's scores at 8K candidates they skip 7 of about 20 passes, at 2K candidates
+    (groups of 4) one (profiles/nvidia-h200/bench/topk/bound/)."""
     prefix = tl.zeros((), tl.uint32)
     n_ge = n  # keys >= prefix, or n before the first pass (n > K: not an early exit)
     i = tl.zeros((), tl.int32)
