@@ -467,6 +467,14 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
     forced = tune_mod.tune_all(points[:1], max_candidates=2, samples=1, progress=False,
                                force=True)
     assert forced["status"].tolist() == ["tuned"]
+    # An entry that records the shape it was tuned at names it: two shapes that share a
+    # coordinate show as such.
+    write_entry("score_stacked", "default", "bf16", 80, BlockConfig({"BLOCK_N": 16,
+                "HOIST_Q_MIN_TILES": 4, "MAX_TILES": 4, "PROGRAMS_PER_UNIT": 1}),
+                {**prov, "shape": {"batch": 8, "context": 40, "rows": 2}})
+    named = tune_mod.tune_all(points[:1], max_candidates=2, samples=1, progress=False)
+    assert named["status"].tolist() == [
+        "tuned earlier on this device (at batch 8, context 40, rows 2)"]
 
 
 def test_with_changes_refuses_unknown_keys_and_ranked_marks_the_noise():

@@ -221,20 +221,21 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
     return df
 
 
-def tuned_here(coord: Lookup, arch: str) -> bool:
-    """Whether the table already holds an entry tuned at exactly this coordinate on this
-    device with these torch/Triton versions: `tune_all`'s resume state is the tables
+def tuned_here(coord: Lookup, arch: str) -> dict[str, Any] | None:
+    """The provenance of the entry at exactly this coordinate when it was tuned on this device
+    with these torch/Triton versions, else None: `tune_all`'s resume state is the tables
     themselves, so a killed run, started again, goes on where it stopped."""
     import triton
 
     try:
         entry = load_table(coord.kernel)[arch][coord.fmt][str(coord.size)]
     except KeyError:
-        return False
+        return None
     prov = entry.get("provenance", {})
-    return (bool(prov.get("tuned")) and prov.get("device") == detect_device().name
+    here = (bool(prov.get("tuned")) and prov.get("device") == detect_device().name
             and prov.get("torch") == torch.__version__
             and prov.get("triton") == triton.__version__)
+    return prov if here else None
 
 
 def tune_all(points: list[Point], *, device: str | None = None, max_candidates: int = 24,
@@ -262,7 +263,7 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
             key = (coord.kernel, coord.fmt, coord.size)
             row.update(fmt=coord.fmt, bucket=coord.size)
             skip = _skip_reason(done.get(key),
-                                key not in done and not force and tuned_here(coord, arch))
+                                None if key in done or force else tuned_here(coord, arch))
             if skip:
                 row["status"] = skip
             else:
@@ -278,12 +279,19 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
     return pd.DataFrame(rows)
 
 
-def _skip_reason(earlier: int | None, tuned: bool) -> str | None:
+def _skip_reason(earlier: int | None, tuned: dict[str, Any] | None) -> str | None:
     """Why a shape is not tuned: an earlier shape hit its coordinate, or the table holds an
-    entry tuned there on this device already; None: tune it."""
+    entry tuned there on this device already (`tuned`: its provenance), named with the shape
+    it was tuned at where recorded, so a coordinate that two shapes share shows; None: tune
+    it."""
     if earlier is not None:
         return f"same coordinate as shape {earlier}"
-    return "tuned earlier on this device" if tuned else None
+    if tuned is None:
+        return None
+    shape = tuned.get("shape")
+    at = (f" (at batch {shape['batch']}, context {shape['context']}, rows {shape['rows']})"
+          if shape else "")
+    return "tuned earlier on this device" + at
 
 
 def _tuned_row(df: pd.DataFrame, kernel: str, arch: str, fmt: str, bucket: int,
@@ -305,12 +313,13 @@ def _tuned_row(df: pd.DataFrame, kernel: str, arch: str, fmt: str, bucket: int,
 
 
 def locate(point: Point, force: bool = False) -> dict[str, Any]:
-    """Where a point's kernel looks its config up on this device, and whether that entry is
-    tuned here already: a cluster driver's first question to a worker."""
+    """Where a point's kernel looks its config up on this device, and that entry's provenance
+    when it is tuned here already (else None): a cluster driver's first question to a
+    worker."""
     _, arch = backend_and_arch()
     coord = config_coordinate(prepare(point))
     return {"arch": arch, "kernel": coord.kernel, "fmt": coord.fmt, "bucket": coord.size,
-            "tuned_here": not force and tuned_here(coord, arch)}
+            "tuned_here": None if force else tuned_here(coord, arch)}
 
 
 def tune_point(point: Point, max_candidates: int, samples: int | None, write: bool = False
