@@ -296,10 +296,7 @@ class Arena:
             if twice.size:
                 raise ArenaError(f"block {int(twice[0])} appears more than once")
         if state == "free":
-            busy = ids[~self._free[ids]]
-            if busy.size:
-                raise ArenaError(f"block {int(busy[0])} is busy (allocated); only free blocks "
-                                 "can be written")
+            self._require_free(ids)
         elif state == "allocated":
             idle = ids[self._free[ids]]
             if idle.size:
@@ -352,11 +349,16 @@ class Arena:
         """`claim` of ids that `check_blocks(..., state="free")` returned, with only their
         state checked again: a large restore validates its targets while its copy runs, and
         the full check again after it costs 20 us of host time on the H200's host."""
-        if not self._free[ids].all():
-            raise ArenaError(f"block {int(ids[~self._free[ids]][0])} is busy (allocated); "
-                             "only free blocks can be written")
+        self._require_free(ids)
         self._free[ids] = False
         return ids.tolist()
+
+    def _require_free(self, ids: np.ndarray) -> None:
+        """Raise ArenaError naming the first of `ids` (valid block ids) that is allocated."""
+        busy = ids[~self._free[ids]]
+        if busy.size:
+            raise ArenaError(f"block {int(busy[0])} is busy (allocated); only free blocks "
+                             "can be written")
 
     def free(self, blocks: Iterable[int] | torch.Tensor) -> None:
         """Return allocated blocks; freeing a free block is an error (nothing changes)."""

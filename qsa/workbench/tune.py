@@ -227,9 +227,8 @@ def tuned_here(coord: Lookup, arch: str) -> dict[str, Any] | None:
     themselves, so a killed run, started again, goes on where it stopped."""
     import triton
 
-    try:
-        entry = load_table(coord.kernel)[arch][coord.fmt][str(coord.size)]
-    except KeyError:
+    entry = _entry_at(coord.kernel, arch, coord.fmt, coord.size)
+    if entry is None:
         return None
     prov = entry.get("provenance", {})
     here = (bool(prov.get("tuned")) and prov.get("device") == detect_device().name
@@ -558,15 +557,20 @@ def _tuned_entry(kernel: str, arch: str, fmt: str, bucket: int) -> dict[str, Any
     """What a new tuning record replaces at this coordinate, one level deep: the entry's
     config and the summary of its own tuning (a confirmation would otherwise erase the gain
     an earlier run measured). None where the entry was never tuned."""
-    try:
-        entry = load_table(kernel)[arch][fmt][str(bucket)]
-    except (ConfigError, KeyError):
-        return None
-    prov = entry.get("provenance", {})
+    entry = _entry_at(kernel, arch, fmt, bucket)
+    prov = {} if entry is None else entry.get("provenance", {})
     if not prov.get("tuned"):
         return None
     return {"config": BlockConfig.from_dict(entry).as_dict(),
             **{k: prov[k] for k in EARLIER_KEYS if k in prov}}
+
+
+def _entry_at(kernel: str, arch: str, fmt: str, bucket: int) -> dict[str, Any] | None:
+    """The table entry at exactly this coordinate (no nearest-bucket fallback), or None."""
+    try:
+        return load_table(kernel)[arch][fmt][str(bucket)]
+    except (ConfigError, KeyError):
+        return None
 
 
 def _tuned_shape(row: pd.Series) -> dict[str, Any]:
