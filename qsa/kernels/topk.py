@@ -37,7 +37,10 @@ Selection (one program per row, the row held in registers):
   it, the lowest group indices (the spec's tie rule, so a 1-row decode and a 4-row verify of the
   same token select the same groups). One packed prefix count gives each selected group its
   output slot, so the output is in ascending group order without a sort.
-* Rows with visible <= k are dense causal: they never read their scores.
+* Rows with visible <= k are dense causal. A row's scores are loaded first thing, up to the groups
+  its position shows ((p+1)//4, clamped to the columns), before the visible count (which also
+  needs the request's context, one more dependent load) is known; rows dense by position read
+  none.
 """
 
 from __future__ import annotations
@@ -192,9 +195,16 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
     p = tl.load(pos_ptr + row)
     tail0 = 4 * ((p + 1) // 4)
     tail_len = p + 1 - tail0
+    # The scores are requested as soon as the position is known: the groups the position
+    # shows, clamped to the score columns, none where that makes the row dense. Waiting for
+    # the visible count would put two more dependent loads in front of them (query_start ->
+    # the request's context -> scores); a valid batch's rows see exactly these groups.
+    g = tl.arange(0, BLOCK_N)
+    by_pos = tl.minimum((p + 1) // 4, n_cols)
+    x = tl.load(scores_ptr + row.to(tl.int64) * s_stride + g, mask=(g < by_pos) & (by_pos > K),
+                other=0.0)
     # Visible groups; clamped to the score columns so a bad batch can not read out of bounds.
-    n = tl.minimum(tl.minimum((p + 1) // 4, tl.load(ctx_ptr + req) // 4), n_cols)
-    n = tl.maximum(n, 0)
+    n = tl.maximum(tl.minimum(by_pos, tl.load(ctx_ptr + req) // 4), 0)
     out_row = out_ptr + row.to(tl.int64) * o_stride
 
     if n <= K:  # dense causal: groups 0..n-1, then the tail
@@ -203,8 +213,7 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
                  mask=o < OUT_W)
     else:
         s_row = scores_ptr + row.to(tl.int64) * s_stride
-        g = tl.arange(0, BLOCK_N)
-        key = _order_keys(tl.load(s_row + g, mask=g < n, other=0.0), g < n)
+        key = _order_keys(x, g < n)
         if RADIX_BITS == 0:
             prefix = _kth_key_bisect(key, n, K, BLOCK_N, BOUND_GROUPS)
         else:
@@ -259,8 +268,9 @@ def topk_expand(scores: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
                 ) -> torch.Tensor:
     """Token ids [rows, preset.expand_width] int32 of each row's top `min(k, visible)` groups
     (ascending group order, ties to the lower group), then its tail tokens, -1 padded; equals
-    `qsa.reference.topk.topk_expand_reference`. `scores` is [rows, >= max visible] FP32 (columns
-    past a row's visible groups are never read); `out` may be given (e.g. under CUDA graphs)."""
+    `qsa.reference.topk.topk_expand_reference`. `scores` is [rows, >= max visible] FP32 (a row
+    reads at most min((p+1)//4, columns) of them, none when that is <= k, and ignores those
+    past its visible groups); `out` may be given (e.g. under CUDA graphs)."""
     require_dtype(scores, "scores", (torch.float32,))
     require(scores.dim() == 2 and scores.stride(1) == 1,
             f"scores: must be 2-D with contiguous rows, got shape {tuple(scores.shape)} strides "
