@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig, get_config
@@ -182,6 +184,80 @@ def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) 
     ref = _reference(case, ids, kv_format)
     torch.testing.assert_close(_run(sparse_gqa_prefill, case, ids, kv_format), ref,
                                **_tol(ref))
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("per", [2, 4, 8])
+@pytest.mark.parametrize(("block_size", "group", "shape"),
+                         [(16, 12, PREFILL), (64, 12, DECODE), (16, 1, DECODE)])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_prefill_row_blocks(kv_format: str, block_size: int, group: int, shape: tuple,
+                            per: int) -> None:
+    """ROWS > 1: a program owns `per` consecutive rows and walks their selections' union,
+    each score a row did not select masked. Blocks that straddle requests (the decode-shaped
+    batch's ragged rows), a short last block, a row without ids and ids in any order give the
+    reference's output."""
+    case, ids = _case(kv_format, group, block_size, shape)
+    ids = ids.clone()
+    ids[1] = -1  # a row with no valid id outputs zeros
+    g = torch.Generator().manual_seed(3)
+    ids[2] = ids[2][torch.randperm(ids.shape[1], generator=g).to(ids.device)]
+    ref = _reference(case, ids, kv_format)
+    config = BlockConfig({"BLOCK_N": 16, "ROWS": per}, num_warps=4, num_stages=1)
+    out = _run(sparse_gqa_prefill, case, ids, kv_format, config=config)
+    torch.testing.assert_close(out, ref, **_tol(ref))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def _union_by_sets(slots: torch.Tensor, per: int) -> list[tuple[list[int], list[int]]]:
+    """Each row block's union of valid slots, ascending, and each slot's row bits: by sets."""
+    blocks = []
+    for b0 in range(0, slots.shape[0], per):
+        rows = [set(int(x) for x in row if x >= 0) for row in slots[b0:b0 + per]]
+        union = sorted(set().union(*rows))
+        blocks.append((union, [sum(1 << r for r, row in enumerate(rows) if x in row)
+                               for x in union]))
+    return blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 7), st.sampled_from([1, 2, 4, 8]),
+       st.integers(0, 2**31 - 1))
+def test_row_block_union(rows: int, width: int, per: int, seed: int) -> None:
+    """The union of each block's slots (repeats within a row and across rows, -1 padding, a
+    short last block) against a set computation: ascending, each slot once, -1 past the
+    union's length, the bits of exactly the rows that listed it, then the length."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, 12, (rows, width), generator=g, dtype=torch.int32)
+    union, bits = sparse_gqa.row_block_union(slots, per)
+    n_all = per * width
+    assert union.shape == (-(-rows // per), n_all) and bits.shape == (union.shape[0], n_all + 1)
+    assert union.stride(0) == bits.stride(0)  # the kernel reads both at one row stride
+    for b, (want, want_bits) in enumerate(_union_by_sets(slots, per)):
+        n = len(want)
+        assert int(bits[b, n_all]) == n  # the union's length after its bits
+        assert union[b, :n].tolist() == want and bits[b, :n].tolist() == want_bits
+        assert (union[b, n:] == -1).all() and (bits[b, n:n_all] == 0).all()
+
+
+def test_row_blocks_refused_where_they_can_not_run() -> None:
+    """ROWS must be a listed power of two, run unsplit and fit R x G rows into one MMA tile."""
+    case, ids = _case("bf16", 12, 16, PREFILL)
+
+    def call(**meta: int) -> None:
+        sparse_gqa_prefill(surrogate(case.q), surrogate_cache(case.cache), case.batch, ids,
+                           case.preset, "bf16", config=BlockConfig({"BLOCK_N": 16, **meta}))
+
+    with pytest.raises(KernelInputError, match="ROWS 3 must be one of"):
+        call(ROWS=3)
+    with pytest.raises(KernelInputError, match="ROWS 4 runs unsplit"):
+        call(ROWS=4, NUM_SPLITS=2)
+    with pytest.raises(KernelInputError, match="ROWS 8 x GQA group 24 exceeds"):
+        p = case.preset.replace(num_q_heads=48)
+        sparse_gqa_prefill(torch.empty((ids.shape[0], 48, p.head_dim), device=DEVICE,
+                                       dtype=surrogate(case.q).dtype),
+                           surrogate_cache(case.cache), case.batch, ids, p, "bf16",
+                           config=BlockConfig({"BLOCK_N": 16, "ROWS": 8}))
 
 
 @pytest.mark.interp_surrogate
@@ -462,6 +538,19 @@ def test_gpu_prefill(kv_format: str) -> None:
     ref = _reference(case, ids, kv_format)
     torch.testing.assert_close(_run(sparse_gqa_prefill, case, ids, kv_format), ref,
                                **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per", [4, 8])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_prefill_row_blocks(kv_format: str, per: int) -> None:
+    """ROWS > 1 on the GPU, where the loop stops at each block's union length."""
+    case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_PREFILL)
+    ref = _reference(case, ids, kv_format)
+    config = BlockConfig({"BLOCK_N": 32, "ROWS": per, "PV_HALVES": int(per == 8)},
+                         num_warps=8 if per == 8 else 4, num_stages=2)
+    torch.testing.assert_close(_run(sparse_gqa_prefill, case, ids, kv_format, config=config),
+                               ref, **_tol(ref))
 
 
 @pytest.mark.gpu

@@ -121,6 +121,12 @@ def test_config_space_keeps_backends_apart():
     assert {(c.meta["SLOTS"], c.meta["MERGE_LAST"]) for c in space} == {(0, 0), (0, 1), (1, 0),
                                                                        (1, 1)}
     assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1}
+    # a count whose 1 is a count, not an off switch (rows per program), is tried doubled
+    rows = BlockConfig({"BLOCK_N": 32, "ROWS": 1}, 4, 2)
+    space = tune_mod.config_space("sparse_gqa_prefill", rows, "cuda", max_candidates=500)
+    assert {c.meta["ROWS"] for c in space} == {1, 2}
+    space = tune_mod.config_space("sparse_gqa_prefill", rows.with_meta(ROWS=4), "cuda", 500)
+    assert {c.meta["ROWS"] for c in space} == {2, 4, 8}
     hip = tune_mod.config_space("sparse_gqa_decode", flags, "hip", max_candidates=500)
     assert {c.meta["MERGE_LAST"] for c in hip} == {0}  # NVIDIA-only switch
     assert {c.meta["SLOTS"] for c in hip} == {0, 1}

@@ -34,6 +34,9 @@ CUDA_ONLY_SWITCHES = ("MERGE_LAST",)
 # attribute), refused on older GPUs and on ROCm, and off on the interpreter, where grids run
 # one after another anyway. The tuner holds them everywhere else.
 SM90_SWITCHES = ("PDL",)
+# Counts whose value 1 is a count, not an off switch: the tuner tries them doubled from 1 too
+# (sparse GQA's rows per program).
+COUNTS_FROM_ONE = ("ROWS",)
 
 
 class ConfigError(ValueError):

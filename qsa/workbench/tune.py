@@ -39,8 +39,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import (CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
-                         ConfigError, get_config, load_table, write_entry)
+from qsa.configs import (COUNTS_FROM_ONE, CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS,
+                         BlockConfig, ConfigError, get_config, load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -68,7 +68,9 @@ def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
         return (v,)
     if key in SWITCH_KEYS:
         return (0, 1)
-    return (v,) if v <= 1 else tuple(sorted({v // 2, v, v * 2}))
+    if v <= 1 and key not in COUNTS_FROM_ONE:
+        return (v,)
+    return tuple(sorted({max(v // 2, 1), v, v * 2}))
 
 
 def _launchable(w: int, backend: str) -> bool:
