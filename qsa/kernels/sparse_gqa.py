@@ -255,14 +255,14 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     if PV_HALVES:
         acc_hi = tl.zeros([BLOCK_M, DV], tl.float32)
     head_off = head * D
+    # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
+    # union entry, then the union's length in column `width` (ROWS > 1); never both at once
+    aux_row = aux_ptr + (unit // HKV).to(tl.int64) * stride_ir
     # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
     # under numpy >= 2.4, and whole blocks per split make it exact anyway. A row block's union
     # is shorter than its constexpr bound (the rows' lists together): on a GPU the loop stops
     # at the union's length (RUNTIME_TRIPS); the tiles past it are all masked, so the
     # interpreter's full count gives the same result.
-    # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
-    # union entry, then the union's length in column `width` (ROWS > 1); both never at once
-    aux_row = aux_ptr + (unit // HKV).to(tl.int64) * stride_ir
     for i in range(tl.cdiv(tl.load(aux_row + width), BLOCK_N) if RUNTIME_TRIPS
                    else SPLIT_BLOCKS):
         n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
