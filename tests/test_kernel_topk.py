@@ -206,6 +206,23 @@ def test_explicit_config_and_strided_rows(algo: str) -> None:
            BlockConfig({"CHUNK": 8, **_search(algo)}, num_warps=2, num_stages=1))
 
 
+@ALGOS
+def test_positions_past_the_context(algo: str) -> None:
+    """A row sees min((p+1)//4, ctx//4) groups: rows whose position lies past their request's
+    context (the kernel requests scores by position before it knows the context) select from
+    the context's groups only, searched (ctx//4 > k) or dense (ctx//4 <= k); the columns past
+    them hold NaN, which must not reach a selection."""
+    p = get_preset(block_size=16, topk_groups=8)
+    batch = _batch(p, (80, 80), (3, 3), seed=12)  # positions 77..79: 19 or 20 groups
+    ctx = torch.tensor([44, 28], dtype=torch.int32, device=DEVICE)  # 11 and 7 groups
+    short = PagedBatch(batch.block_table, ctx, batch.query_start, batch.positions,
+                       batch.block_size)
+    s = torch.rand(batch.num_rows, 20, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    s[:3, 11:] = float("nan")
+    s[3:, 7:] = float("nan")
+    _check(s, short, p, _algo(algo, s.shape[1]))
+
+
 def test_errors() -> None:
     p = get_preset(block_size=16, topk_groups=8)
     batch, s = _realistic(p, (60, 33), (2, 1), seed=11)
