@@ -377,9 +377,15 @@ def _candidates(text: Optional[str]) -> Optional[list[dict]]:
 @app.command()
 def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_stacked"),
          all_: bool = typer.Option(False, "--all", help="every kernel call of the decode step "
-                                   "(--batch x --context, MTP --mtp) for each --formats pair; "
-                                   "each distinct config coordinate once, resumable"),
-         preset: str = PRESET_OPT, batch: int = 8, context: str = "32K", rows: int = 4,
+                                   "(--batch x --context, MTP --mtp) or of one prefill chunk "
+                                   "(--phase prefill) for each --formats pair; each distinct "
+                                   "config coordinate once, resumable"),
+         phase: str = typer.Option("decode", help="--all: decode (the step's verify and draft "
+                                   "calls) or prefill (one chunk of --rows rows per request)"),
+         preset: str = PRESET_OPT,
+         batch: Optional[int] = typer.Option(None, help="requests (default: 1 for --all "
+                                             "--phase prefill, else 8)"),
+         context: str = "32K", rows: int = 4,
          index_format: str = "bf16", kv_format: str = "bf16",
          mtp: Optional[int] = typer.Option(None, help="--all: MTP draft tokens (default: the "
                                            "preset's)"),
@@ -411,15 +417,26 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         raise typer.BadParameter("give either an op or --all")
     if all_ and candidates is not None:
         raise typer.BadParameter("--candidates: one op's changes; --all derives each space")
+    if phase != "decode" and not all_:
+        raise typer.BadParameter("--phase: with --all only (one op takes --rows and --batch)")
+    if batch is None:
+        batch = 1 if phase == "prefill" else 8
     if all_:
         from qsa.workbench.step import step_calls
 
         p = get_preset(preset)
         steps = mtp if mtp is not None else p.mtp_draft_tokens
-        points = [c.point(p, batch, ctx) for pair in _format_pairs(formats)
-                  for c in step_calls(p, steps, *pair)]
+        try:
+            points = [c.point(p, batch, ctx) for pair in _format_pairs(formats)
+                      for c in step_calls(p, steps, *pair, phase=phase,
+                                          rows=rows if phase == "prefill" else None)]
+        except ValueError as e:  # a bad phase or chunk, named by the message
+            raise typer.BadParameter(str(e)) from None
         with start_run("tune-all", root=out, extra={"batch": batch, "context": ctx,
-                                                     "mtp": steps, "formats": formats}) as run:
+                                                     "mtp": steps, "formats": formats,
+                                                     "step_phase": phase,
+                                                     "chunk_rows": rows if phase == "prefill"
+                                                     else None}) as run:
             console.print(f"results (written as each shape is done): {run.directory}")
 
             def keep(row: dict) -> None:
@@ -440,7 +457,8 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         cols = [c for c in ("op", "index_format", "kv_format", "rows", "fmt", "bucket",
                             "status", "current_us", "best_us", "gain", "noise_rel", "verdict")
                 if c in df]
-        _print_frame(df[cols], f"tune --all: {len(points)} step calls, batch {batch} x {ctx}")
+        what = f"prefill chunk calls of {rows} rows" if phase == "prefill" else "step calls"
+        _print_frame(df[cols], f"tune --all: {len(points)} {what}, batch {batch} x {ctx}")
         return
     try:
         df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,

@@ -149,6 +149,38 @@ def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
     assert res.exit_code != 0 and "one op's changes" in res.output
 
 
+def test_tune_all_covers_a_prefill_chunk(tmp_path, monkeypatch):
+    """`qsa tune --all --phase prefill` hands the tuner every kernel call of one prefill chunk
+    (--rows rows per request, one request by default) for each format pair, the draft layer's
+    included; --phase without --all and a chunk past its context are refused by name."""
+    import pandas as pd
+
+    import qsa.workbench.tune as tune_mod
+
+    seen = []
+
+    def fake_tune_all(points, **kw):
+        seen.extend(points)
+        return pd.DataFrame([{"op": pt.op, "status": "tuned"} for pt in points])
+
+    monkeypatch.setattr(tune_mod, "tune_all", fake_tune_all)
+    res = runner.invoke(app, ["tune", "--all", "--phase", "prefill", "--rows", "64",
+                              "--context", "256", "--formats", "bf16/bf16,fp8/fp8",
+                              "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert {pt.op for pt in seen} == {"compress", "kv_store", "score_prefill", "topk_expand",
+                                      "sparse_gqa_prefill"}
+    assert {(pt.batch, pt.context, pt.rows) for pt in seen} == {(1, 256, 64)}
+    assert {pt.kv_format for pt in seen if pt.op == "sparse_gqa_prefill"} == {"bf16", "fp8"}
+    res = runner.invoke(app, ["tune", "sparse_gqa_prefill", "--phase", "prefill"])
+    assert res.exit_code != 0 and "with --all only" in res.output
+    for args, msg in ((["--rows", "512", "--context", "256"], "do not fit a context of 256"),
+                      (["--phase", "prefil"], "'prefil' is not one of decode, prefill")):
+        res = runner.invoke(app, ["tune", "--all", "--phase", "prefill", *args,
+                                  "--out", str(tmp_path)])
+        assert res.exit_code != 0 and msg in res.output, res.output
+
+
 def test_sweep_summary_prints_bracketed_errors_verbatim(monkeypatch: pytest.MonkeyPatch,
                                                         tmp_path: Path) -> None:
     """A failed point's error quotes shapes in brackets ("expected [blocks, 16, 8, 128]"); the
