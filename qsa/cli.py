@@ -426,17 +426,16 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
 
         p = get_preset(preset)
         steps = mtp if mtp is not None else p.mtp_draft_tokens
+        chunk = rows if phase == "prefill" else None  # --rows is a prefill chunk's only
         try:
             points = [c.point(p, batch, ctx) for pair in _format_pairs(formats)
-                      for c in step_calls(p, steps, *pair, phase=phase,
-                                          rows=rows if phase == "prefill" else None)]
+                      for c in step_calls(p, steps, *pair, phase=phase, rows=chunk)]
         except ValueError as e:  # a bad phase or chunk, named by the message
             raise typer.BadParameter(str(e)) from None
         with start_run("tune-all", root=out, extra={"batch": batch, "context": ctx,
                                                      "mtp": steps, "formats": formats,
                                                      "step_phase": phase,
-                                                     "chunk_rows": rows if phase == "prefill"
-                                                     else None}) as run:
+                                                     "chunk_rows": chunk}) as run:
             console.print(f"results (written as each shape is done): {run.directory}")
 
             def keep(row: dict) -> None:
@@ -457,7 +456,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         cols = [c for c in ("op", "index_format", "kv_format", "rows", "fmt", "bucket",
                             "status", "current_us", "best_us", "gain", "noise_rel", "verdict")
                 if c in df]
-        what = f"prefill chunk calls of {rows} rows" if phase == "prefill" else "step calls"
+        what = f"prefill chunk calls of {chunk} rows" if chunk else "step calls"
         _print_frame(df[cols], f"tune --all: {len(points)} {what}, batch {batch} x {ctx}")
         return
     try:

@@ -213,13 +213,14 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     pid = tl.program_id(0)
     split = pid % num_splits
     unit = pid // num_splits
-    row = unit // HKV * ROWS  # the program's first row
+    block = unit // HKV  # the program's row (a block of ROWS rows)
+    row = block * ROWS  # its first row
     head = unit % HKV
     req = _row_request(qs_ptr, row, batch, BATCH_P2)
     ctx = tl.load(ctx_ptr + req)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     # ROWS > 1: the ids are the union of the rows' cache slots, one list per row block
-    ids_row = ids_ptr + (unit // HKV).to(tl.int64) * stride_ir
+    ids_row = ids_ptr + block.to(tl.int64) * stride_ir
     n_lo = split * (SPLIT_BLOCKS * BLOCK_N)
 
     # M = ROWS x G: row r of the program's rows, query head hh of the KV head's group
@@ -257,7 +258,7 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     head_off = head * D
     # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
     # union entry, then the union's length in column `width` (ROWS > 1); never both at once
-    aux_row = aux_ptr + (unit // HKV).to(tl.int64) * stride_ir
+    aux_row = aux_ptr + block.to(tl.int64) * stride_ir
     # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
     # under numpy >= 2.4, and whole blocks per split make it exact anyway. A row block's union
     # is shorter than its constexpr bound (the rows' lists together): on a GPU the loop stops

@@ -199,10 +199,10 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
     # shows, clamped to the score columns, none where that makes the row dense. Waiting for
     # the visible count would put two more dependent loads in front of them (query_start ->
     # the request's context -> scores); a valid batch's rows see exactly these groups.
+    s_row = scores_ptr + row.to(tl.int64) * s_stride
     g = tl.arange(0, BLOCK_N)
     by_pos = tl.minimum((p + 1) // 4, n_cols)
-    x = tl.load(scores_ptr + row.to(tl.int64) * s_stride + g, mask=(g < by_pos) & (by_pos > K),
-                other=0.0)
+    x = tl.load(s_row + g, mask=(g < by_pos) & (by_pos > K), other=0.0)
     # Visible groups; clamped to the score columns so a bad batch can not read out of bounds.
     n = tl.maximum(tl.minimum(by_pos, tl.load(ctx_ptr + req) // 4), 0)
     out_row = out_ptr + row.to(tl.int64) * o_stride
@@ -212,7 +212,6 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
         tl.store(out_row + o, tl.where(o < 4 * n, o, _tail_ids(o, 4 * n, tail0, tail_len)),
                  mask=o < OUT_W)
     else:
-        s_row = scores_ptr + row.to(tl.int64) * s_stride
         key = _order_keys(x, g < n)
         if RADIX_BITS == 0:
             prefix = _kth_key_bisect(key, n, K, BLOCK_N, BOUND_GROUPS)
