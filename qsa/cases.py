@@ -4,7 +4,8 @@ Kernels, tests, benchmarks and notebooks all draw their inputs from here, so a s
 passes a test is the same shape a benchmark times. Realistic means: ragged context lengths and
 rows per request, shuffled page tables, a poisoned pool (an unwritten slot read by mistake shows
 up as NaN), and activations with outlier channels, which is what makes FP8 and MXFP4 scales
-matter.
+matter. `overlap` gives neighbouring rows of a request correlated index queries, calibrated to
+a target mean Jaccard of their selections (`qsa.overlap`); 0 keeps them independent.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qsa import overlap as ov
 from qsa.arena.fields import CacheFormats, allocate_layer, declare_fields, kv_field_names
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset, ShapeError
 from qsa.reference.compress import compress_reference, write_raw_keys_reference
 from qsa.reference.kv import store_kv_reference
 from qsa.reference.pipeline import row_slots
+from qsa.reference.score import score_reference, visible_groups
+from qsa.reference.topk import expand_reference
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class CaseSpec:
     outlier_channels: int = 4
     outlier_scale: float = 12.0
     build_kv: bool = True
+    overlap: float = 0.0  # target mean Jaccard of neighbouring rows' selections (0: independent)
 
     def __post_init__(self) -> None:
         if len(self.context_lens) == 0:
@@ -53,6 +58,10 @@ class CaseSpec:
         if self.spare_blocks < 0:
             raise ShapeError(f"spare_blocks: must be >= 0, got {self.spare_blocks}")
         CacheFormats(self.kv_format, self.index_format, self.fp8_dtype)
+        try:
+            ov.check_target(self.overlap)
+        except ov.OverlapError as e:
+            raise ShapeError(str(e)) from None
 
     @property
     def formats(self) -> CacheFormats:
@@ -74,6 +83,7 @@ class Case:
     q: torch.Tensor  # [rows, Hq, D] bf16
     q_index: torch.Tensor  # [rows, H, Dindex] fp32, already normalized and rotated
     rms_weight: torch.Tensor  # [Dindex] fp32
+    overlap_measured: float  # mean Jaccard of neighbouring rows' selections, as calibrated
     raw_keys: torch.Tensor  # [rows, Dindex] bf16, the new tokens' raw index keys
     k_new: torch.Tensor  # [rows, Hkv, D] bf16
     v_new: torch.Tensor  # [rows, Hkv, D] bf16
@@ -107,12 +117,31 @@ def activations(gen: torch.Generator, shape: tuple[int, ...], outliers: torch.Te
                 scale: float) -> torch.Tensor:
     """Gaussian rows with a few outlier channels and log-normal per-row magnitudes, drawn on
     the generator's device (benchmark-sized cases are generated where they are used)."""
+    return _shaped(*_draws(gen, shape), outliers, scale)
+
+
+def _draws(gen: torch.Generator, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussian draws of `activations`: the rows, then their log magnitudes."""
     dev = gen.device
     x = torch.randn(shape, generator=gen, device=dev)
-    ch = torch.ones(shape[-1], device=dev)
-    ch[outliers.to(dev)] = scale
-    mag = torch.exp(0.5 * torch.randn((*shape[:-1], 1), generator=gen, device=dev))
-    return x * ch * mag
+    return x, torch.randn((*shape[:-1], 1), generator=gen, device=dev)
+
+
+def _shaped(x: torch.Tensor, log_mag: torch.Tensor, outliers: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+    ch = torch.ones(x.shape[-1], device=x.device)
+    ch[outliers.to(x.device)] = scale
+    return x * ch * torch.exp(0.5 * log_mag)
+
+
+def select_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top min(k, visible) groups of each row ([rows, k], -1 padded; invisible groups score
+    -inf), ties to the lower group index: the reference's rule, vectorized (the overlap
+    calibration selects many times)."""
+    k = min(k, scores.shape[1])
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = torch.gather(scores, 1, order)
+    return torch.where(picked > float("-inf"), order, -1)
 
 
 def make_batch(spec: CaseSpec, gen: torch.Generator, device: torch.device | str) -> PagedBatch:
@@ -177,27 +206,47 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
     rs = row_slots(batch)
     raw_rows = cache["index_raw"][rs // p.block_size, rs % p.block_size, 0].clone()
     q = torch.randn((rows, p.num_q_heads, p.head_dim), generator=dgen, device=device)
-    q_index = activations(dgen, (rows, p.index_heads, p.index_dim), idx_out, 2.0)
-    q_index = q_index / q_index.norm(dim=-1, keepdim=True) * p.index_dim ** 0.5
-    return Case(spec, batch, cache, q.to(torch.bfloat16), q_index, rms_weight, raw_rows,
-                k_new, v_new)
+    draws = _draws(dgen, (rows, p.index_heads, p.index_dim))
+
+    def index_queries(rho: float) -> torch.Tensor:
+        x = _shaped(ov.correlate_rows(draws[0], batch, rho), draws[1], idx_out, 2.0)
+        return x / x.norm(dim=-1, keepdim=True) * p.index_dim ** 0.5
+
+    def jaccard_at(rho: float) -> float:
+        scores = score_reference(cache, batch, index_queries(rho), p, spec.index_format)
+        return ov.neighbour_jaccard(select_groups(scores, p.topk_groups), batch)
+
+    rho, measured = ov.calibrate(spec.overlap, jaccard_at, "these index keys")
+    return Case(spec, batch, cache, q.to(torch.bfloat16), index_queries(rho), rms_weight,
+                measured, raw_rows, k_new, v_new)
 
 
-def random_selection(batch: PagedBatch, preset: ModelPreset, gen: torch.Generator
-                     ) -> torch.Tensor:
-    """Worst-case selections for sparse attention: every row picks min(top-k, visible)
-    independent random groups, expanded to token ids like the index path's output."""
-    from qsa.reference.score import visible_groups
-    from qsa.reference.topk import expand_reference
-
+def random_selection(batch: PagedBatch, preset: ModelPreset, gen: torch.Generator,
+                     overlap: float = 0.0) -> tuple[torch.Tensor, float]:
+    """Selections for sparse attention without the index path: every row picks
+    min(top-k, visible) random groups, expanded to token ids like the index path's output.
+    `overlap` 0: independent rows (the worst case for sharing); else each request's rows pick
+    by AR(1)-correlated keys calibrated to that mean Jaccard of neighbouring rows (`qsa.overlap`).
+    Returns the ids and the measured Jaccard."""
     vis = visible_groups(batch)
     g = int(vis.max())
     keys = torch.rand((batch.num_rows, g), generator=gen, device=vis.device)
-    keys[torch.arange(g, device=vis.device)[None, :] >= vis[:, None]] = -1.0
+    normal = torch.special.ndtri(keys.clamp(1e-7, 1 - 1e-7).double()).float()  # same order
+    unseen = torch.arange(g, device=vis.device)[None, :] >= vis[:, None]
     k = min(preset.topk_groups, g)
-    groups = keys.topk(k, dim=1).indices.sort(dim=1).values.to(torch.int32)
+
+    def groups_at(rho: float) -> torch.Tensor:
+        z = keys if rho == 0.0 else ov.correlate_rows(normal, batch, rho)
+        return z.masked_fill(unseen, float("-inf")).topk(k, dim=1).indices
+
+    def jaccard_at(rho: float) -> float:
+        return ov.neighbour_jaccard(groups_at(rho).masked_fill(
+            torch.arange(k, device=vis.device)[None, :] >= vis[:, None], -1), batch)
+
+    rho, measured = ov.calibrate(overlap, jaccard_at, "random selections")
+    groups = groups_at(rho).sort(dim=1).values.to(torch.int32)
     counts = vis.clamp(max=k).to(torch.int32)  # invalid picks sort last (larger group ids)
-    return expand_reference(groups, counts, batch.positions, preset.expand_width)
+    return expand_reference(groups, counts, batch.positions, preset.expand_width), measured
 
 
 FILL_CHUNK_TOKENS = 1 << 19  # pool fill: tokens per reference-store call (bounds temporaries)

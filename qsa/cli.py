@@ -40,7 +40,8 @@ _OPTIONS = {"verbose": False}
 USER_ERRORS = (ValueError, OSError)
 
 
-KERNEL_COMMANDS = ("bench", "step", "tune", "profile", "sweep", "run", "offload-check")
+KERNEL_COMMANDS = ("bench", "step", "tune", "profile", "sweep", "run", "offload-check",
+                   "trace")
 
 
 @app.callback()
@@ -161,6 +162,37 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def _overlaps(s: str) -> list[float]:
+    """"0,0.9": target mean Jaccards of neighbouring rows' selections, each in [0, 1)."""
+    from qsa.overlap import OverlapError, check_target
+
+    out = []
+    for x in _strs(s):
+        try:
+            out.append(check_target(float(x)))
+        except ValueError as e:
+            msg = str(e) if isinstance(e, OverlapError) else f"overlap: {x!r} is not a number"
+            raise typer.BadParameter(msg) from None
+    if not out:
+        raise typer.BadParameter(f"{s!r} holds no overlap values")
+    return out
+
+
+OVERLAP_HELP = ("target mean Jaccard of neighbouring rows' selections, comma-separated (0: "
+                "independent rows; the real model's prefill rows measure about 0.9, "
+                "vLLM RFC #55394)")
+
+
+def _inputs_note(rec: dict) -> str:
+    """What a point's inputs measured and which sparse GQA path ran, for its printed line."""
+    parts = []
+    if rec.get("overlap_measured") is not None:
+        parts.append(f"measured overlap {rec['overlap_measured']:.2f}")
+    if rec.get("path"):
+        parts.append(f"{rec['path']}, union {rec['union_ratio']:.2f} rows")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _one_int(s: str) -> int:
     """A single value such as "32K" (commands that run one shape)."""
     vals = _ints(s)
@@ -196,8 +228,16 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
           preset: str = PRESET_OPT,
           env: str = typer.Option("", help="environment toggles for the run, e.g. "
                                   "QSA_STACKED_DECODE_SCORER=0"),
-          selection: str = typer.Option("index", help="sparse_gqa_decode: token selections "
-                                        "from the index path, or random (the worst case)"),
+          selection: str = typer.Option("index", help="sparse GQA: token selections from the "
+                                        "index path, or random (no index path)"),
+          overlap: str = typer.Option("0", help=OVERLAP_HELP),
+          sharing: str = typer.Option("auto", help="sparse GQA: auto (per call, from the "
+                                      "measured union), per-row or shared"),
+          trace: Optional[Path] = typer.Option(None, help="sparse GQA: replay this selection "
+                                               "trace's requests and selections (docs/traces.md); "
+                                               "replaces --batch, --context, --rows"),
+          trace_layer: Optional[int] = typer.Option(None, help="--trace: the layer replayed "
+                                                    "(default: its first)"),
           out: Path = typer.Option(Path("profiles"), help="results store root"),
           suite: Optional[str] = typer.Option(
               None, help="run a named suite instead of the grid options: headline, decode, "
@@ -219,23 +259,35 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
         _bench_suite(suite, out, verify_only)
         return
 
-    get_preset(preset)  # an unknown preset is a user error, before any point runs
+    p = get_preset(preset)  # an unknown preset is a user error, before any point runs
     envd = _env(env)
-    grid = list(itertools.product(_strs(op), _ints(batch), _ints(context), _ints(rows),
-                                  _strs(index_format), _strs(kv_format)))
+    shape = (_ints(batch), _ints(context), _ints(rows))
+    if trace is not None:
+        from qsa.trace import read_trace
+
+        t = read_trace(trace, p)
+        t.layer_at(trace_layer)
+        shape = ([int(t.context_lens.numel())], [int(t.context_lens.max())],
+                 [max(t.rows_per_request)])
+        selection = "trace"
+    grid = list(itertools.product(_strs(op), *shape, _strs(index_format), _strs(kv_format),
+                                  _overlaps(overlap)))
     failed = 0
     with start_run("bench", root=out, extra={"env": envd, "grid": len(grid)}) as run:
-        for o, b, c, r, fi, fk in tqdm(grid, desc="bench", unit="pt"):
+        for o, b, c, r, fi, fk, ov in tqdm(grid, desc="bench", unit="pt"):
+            what = f"{o} b{b} c{c} r{r} {fi}/{fk} overlap {ov:g}"
             try:
                 rec = measure(o, preset=preset, batch=b, context=c, rows=r, index_format=fi,
-                              kv_format=fk, env=envd, selection=selection)
+                              kv_format=fk, env=envd, selection=selection, overlap=ov,
+                              sharing=sharing, trace=None if trace is None else str(trace),
+                              trace_layer=trace_layer)
             except (VerificationError, ValueError, RuntimeError) as e:
                 failed += 1
-                _problem(f"{o} b{b} c{c} r{r} {fi}/{fk}: {e}")
+                _problem(f"{what}: {e}")
                 continue
             run.add(rec)
             bw = rec.get("pct_bandwidth")
-            console.print(f"{o} b{b} c{c} r{r} {fi}/{fk}: {rec['us']:.2f} µs"
+            console.print(f"{what}{_inputs_note(rec)}: {rec['us']:.2f} µs"
                           f"{f', {bw:.0f}% of copy bw' if bw is not None else ''} "
                           f"({rec['method']}{', functional only' if rec['functional_only'] else ''})")
     console.print(f"results: {run.directory}  ({len(grid) - failed} verified, {failed} failed)")
@@ -310,6 +362,10 @@ def step(preset: str = PRESET_OPT,
              None, help="several INDEX/KV pairs side by side in one run, e.g. "
                         "bf16/bf16,fp8/fp8,mxfp4/fp8 (overrides --index-format/--kv-format); "
                         "speedups are against the first"),
+         overlap: str = typer.Option("0", help=OVERLAP_HELP + "; each pair at each"),
+         trace: Optional[Path] = typer.Option(None, help="a uniform selection trace whose "
+                                              "selections the target layers' sparse GQA "
+                                              "replays; sets --batch, --context and the rows"),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Per-step µs of every QSA kernel (decode: target verify + draft calls; prefill: one
     chunk through every QSA layer): sum and graph replay."""
@@ -322,21 +378,37 @@ def step(preset: str = PRESET_OPT,
     if mtp is None:
         mtp = get_preset(preset).mtp_draft_tokens
     pairs = _format_pairs(formats) if formats else [(index_format, kv_format)]
+    overlaps = _overlaps(overlap)
+    if trace is not None:
+        from qsa.workbench.step import trace_shape
+
+        if overlaps != [0.0]:
+            raise typer.BadParameter("--overlap: a trace's selections overlap as recorded")
+        batch, ctx, trace_rows = trace_shape(str(trace), get_preset(preset))
+        if phase == "prefill":
+            rows = trace_rows
+        elif trace_rows != mtp + 1:
+            raise typer.BadParameter(f"--trace: {trace_rows} rows per request; a decode step "
+                                     f"with MTP {mtp} verifies {mtp + 1}")
     what = (f"prefill chunk of {rows} rows" if phase == "prefill" else "decode step")
     frames = []
     try:
         for df in step_breakdowns(preset, batch, ctx, mtp, pairs, progress=True, phase=phase,
-                                  rows=rows):
+                                  rows=rows, overlaps=overlaps,
+                                  trace=None if trace is None else str(trace)):
             _print_frame(df[["phase", "kernel", "rows", "calls_per_step", "us_per_call",
-                             "us_per_step", "share", "method"]],
+                             "us_per_step", "share", "method", "overlap_measured", "path"]],
                          f"{preset} {what}: batch {batch} x {ctx}, MTP {mtp}, index "
-                         f"{df['index_format'].iloc[0]}, KV {df['kv_format'].iloc[0]}")
+                         f"{df['index_format'].iloc[0]}, KV {df['kv_format'].iloc[0]}, "
+                         f"overlap {df['overlap_target'].iloc[0]:g}")
             frames.append(df)
     except ValueError as e:  # a bad phase, rows, shape or format, named by the message
         raise typer.BadParameter(str(e)) from None
     with start_run("step", root=out, extra={"preset": preset, "batch": batch, "context": ctx,
                                             "mtp": mtp, "formats": pairs, "step_phase": phase,
-                                            "rows": rows}) as run:
+                                            "rows": rows, "overlaps": overlaps,
+                                            "trace": None if trace is None else str(trace)}
+                   ) as run:
         for df in frames:
             run.add_many({**r, "preset": preset, "batch": batch, "context": ctx, "mtp": mtp,
                           "chunk_rows": rows} for r in df.to_dict("records"))
@@ -395,8 +467,10 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                                     "this device too"),
          max_candidates: int = typer.Option(48, help="cap on the candidates timed"),
          write: bool = typer.Option(False, help="store the winner in the config table"),
-         selection: str = typer.Option("index", help="sparse_gqa_decode: token selections from "
-                                       "the index path, or random (the worst case)"),
+         selection: str = typer.Option("index", help="sparse GQA: token selections from "
+                                       "the index path, or random (no index path)"),
+         overlap: float = typer.Option(0.0, help="target mean Jaccard of neighbouring rows' "
+                                       "selections (0: independent rows)"),
          backend: str = typer.Option("local", help="--all: local (this GPU) or ray (each "
                                      "shape's candidates as one task on one GPU of a Ray "
                                      "cluster)"),
@@ -428,7 +502,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         steps = mtp if mtp is not None else p.mtp_draft_tokens
         chunk = rows if phase == "prefill" else None  # --rows is a prefill chunk's only
         try:
-            points = [c.point(p, batch, ctx) for pair in _format_pairs(formats)
+            points = [c.point(p, batch, ctx, overlap) for pair in _format_pairs(formats)
                       for c in step_calls(p, steps, *pair, phase=phase, rows=chunk)]
         except ValueError as e:  # a bad phase or chunk, named by the message
             raise typer.BadParameter(str(e)) from None
@@ -463,7 +537,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         df = run_tune(op, preset=preset, batch=batch, context=ctx, rows=rows,
                       index_format=index_format, kv_format=kv_format,
                       max_candidates=max_candidates, write=write, selection=selection,
-                      candidates=_candidates(candidates))
+                      candidates=_candidates(candidates), overlap=overlap)
     except ValueError as e:  # a bad op, shape, format or selection, named by the message
         raise typer.BadParameter(str(e)) from None
     ok = df[df["status"] == "ok"].sort_values("us")
@@ -674,6 +748,44 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     cmp.table.to_csv(folder / "compare.csv", index=False)
     fig = comparison_chart(cmp, folder)
     console.print(f"table: {folder / 'compare.csv'}  figure: {fig.paths[0]}")
+
+
+trace_app = typer.Typer(no_args_is_help=True, help="Selection traces: check one, or write a "
+                        "synthetic one (docs/traces.md).")
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("check")
+def trace_check(file: Path = typer.Argument(..., help="a selection trace (.safetensors)"),
+                preset: Optional[str] = typer.Option(None, "--preset", help="the preset it must "
+                                                     "be for (default: the one it names)")
+                ) -> None:
+    """Validate a trace; print its rows, layers and measured overlap."""
+    from qsa.trace import describe, read_trace
+
+    console.print_json(json.dumps(describe(read_trace(file, preset)), default=str))
+
+
+@trace_app.command("synth")
+def trace_synth(out: Path = typer.Argument(..., help="the trace to write (.safetensors)"),
+                overlap: float = typer.Option(..., help="target mean Jaccard of neighbouring "
+                                              "rows' selections, in [0, 1)"),
+                batch: int = 32, context: str = "32K",
+                rows: int = typer.Option(4, help="rows per request (a verify step: MTP + 1)"),
+                layers: int = typer.Option(1, help="QSA layers, each its own selections"),
+                seed: int = 0, preset: str = PRESET_OPT) -> None:
+    """Write a synthetic trace in the replay format (tests, demos): random selections
+    calibrated to --overlap, as `qsa bench --selection random --overlap` makes them."""
+    from qsa.presets import ShapeError
+    from qsa.trace import describe, synth_trace, write_trace
+
+    p = get_preset(preset)
+    try:
+        t = synth_trace(p, batch, _one_int(context), rows, overlap, layers, seed)
+    except ShapeError as e:
+        raise typer.BadParameter(str(e)) from None
+    write_trace(out, t)
+    console.print_json(json.dumps({"written": str(out), **describe(t)}, default=str))
 
 
 DEFAULT_SWEEPS = {True: Path("sweeps/decode_scoring_gpu.yaml"),

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from qsa.cases import Case, CaseSpec, make_case, poison_
 from qsa.configs import BlockConfig, get_config
-from qsa.kernels import common, sparse_gqa
+from qsa.kernels import common, row_union, sparse_gqa
 from qsa.kernels.common import KernelInputError, backend_and_arch
 from qsa.kernels.sparse_gqa import (MAX_SPLITS, choose_splits, sparse_gqa_decode,
                                     sparse_gqa_prefill, split_count, work)
@@ -209,39 +209,109 @@ def test_prefill_row_blocks(kv_format: str, block_size: int, group: int, shape: 
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def _union_by_sets(slots: torch.Tensor, per: int) -> list[tuple[list[int], list[int]]]:
-    """Each row block's union of valid slots, ascending, and each slot's row bits: by sets."""
+def _union_by_sets(ids: torch.Tensor, batch: PagedBatch, per: int, pool: int
+                   ) -> list[list[tuple[int, int]]]:
+    """Each row block's union by sets: (slot, row bits) of every readable id, request segment
+    after request segment, ascending token ids within one."""
+    req = batch.row_request.tolist()
+    ctx, bt, page = batch.context_lens.tolist(), batch.block_table, batch.block_size
     blocks = []
-    for b0 in range(0, slots.shape[0], per):
-        rows = [set(int(x) for x in row if x >= 0) for row in slots[b0:b0 + per]]
-        union = sorted(set().union(*rows))
-        blocks.append((union, [sum(1 << r for r, row in enumerate(rows) if x in row)
-                               for x in union]))
+    for b0 in range(0, ids.shape[0], per):
+        found: dict[tuple[int, int], list[int]] = {}
+        for r, row in enumerate(range(b0, min(b0 + per, ids.shape[0]))):
+            q = req[row]
+            for x in ids[row].tolist():
+                if 0 <= x < ctx[q] and x // page < bt.shape[1] and 0 <= int(bt[q, x // page]) < pool:
+                    slot = int(bt[q, x // page]) * page + x % page
+                    found.setdefault((q, x), [slot, 0])[1] |= 1 << r
+        blocks.append([tuple(v) for _, v in sorted(found.items())])
     return blocks
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 9), st.integers(1, 7), st.sampled_from([1, 2, 4, 8]),
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 90), st.integers(0, 5)), min_size=1, max_size=4),
+       st.integers(1, 7), st.sampled_from([1, 2, 4, 8]), st.sampled_from([16, 32]),
        st.integers(0, 2**31 - 1))
-def test_row_block_union(rows: int, width: int, per: int, seed: int) -> None:
-    """The union of each block's slots (repeats within a row and across rows, -1 padding, a
-    short last block) against a set computation: ascending, each slot once, -1 past the
-    union's length, the bits of exactly the rows that listed it, then the length."""
+def test_row_block_union(requests: list, width: int, per: int, page: int, seed: int) -> None:
+    """The union each block of rows reads, built by the bitmap kernels, against a set
+    computation: ragged requests (blocks that straddle them, a short last block, requests
+    without rows), repeated ids, padding, ids past the context or on a page outside the pool
+    (a hole in the shuffled page table), a row without ids: each readable id once, with the
+    bits of exactly the rows that listed it, request after request, then the length."""
     g = torch.Generator().manual_seed(seed)
-    slots = torch.randint(-1, 12, (rows, width), generator=g, dtype=torch.int32)
-    union, bits = sparse_gqa.row_block_union(slots, per)
+    ctx = [c for c, _ in requests]
+    rows = [min(r, c) for c, r in requests]
+    pages = [-(-c // page) for c in ctx]
+    pool = sum(pages)
+    perm = torch.randperm(pool + 1, generator=g).to(torch.int32)
+    perm[perm == pool] = pool + 5  # one page points past the pool: never read
+    bt = torch.full((len(ctx), max(pages)), -1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(pages):
+        bt[i, :n] = perm[at:at + n]
+        at += n
+    qs = torch.tensor([0, *torch.cumsum(torch.tensor(rows), 0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(c - r, c) for c, r in zip(ctx, rows)]).to(torch.int32)
+    batch = PagedBatch(bt, torch.tensor(ctx, dtype=torch.int32), qs, pos, page)
+    if batch.num_rows == 0:
+        return
+    ids = torch.randint(-1, max(ctx) + 3, (batch.num_rows, width), generator=g,
+                        dtype=torch.int32)
+    ids[0] = -1
+    slots, bits = row_union.row_block_union(ids.to(DEVICE), batch.to(DEVICE), per, pool)
+    slots, bits = slots.cpu(), bits.cpu()
     n_all = per * width
-    assert union.shape == (-(-rows // per), n_all) and bits.shape == (union.shape[0], n_all + 1)
-    assert union.stride(0) == bits.stride(0)  # the kernel reads both at one row stride
-    for b, (want, want_bits) in enumerate(_union_by_sets(slots, per)):
-        n = len(want)
-        assert int(bits[b, n_all]) == n  # the union's length after its bits
-        assert union[b, :n].tolist() == want and bits[b, :n].tolist() == want_bits
-        assert (union[b, n:] == -1).all() and (bits[b, n:n_all] == 0).all()
+    assert slots.shape == (-(-batch.num_rows // per), n_all)
+    assert bits.shape == (slots.shape[0], n_all + 1) and slots.stride(0) == bits.stride(0)
+    for b, want in enumerate(_union_by_sets(ids, batch, per, pool)):
+        n = int(bits[b, n_all])
+        assert list(zip(slots[b, :n].tolist(), bits[b, :n].tolist())) == want
+
+
+@pytest.mark.interp_surrogate
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_decode_shared_path_with_splits(kv_format: str, splits: int) -> None:
+    """The shared path in a split decode call: a union's tiles dealt to the splits in turn,
+    partials merged by the merge kernel, on the ragged decode batch (blocks of 4 rows straddle
+    its requests), a row without ids and a shuffled id list."""
+    case, ids = _case(kv_format, 12, 16, DECODE)
+    ids = ids.clone()
+    ids[5] = -1
+    g = torch.Generator().manual_seed(5)
+    ids[2] = ids[2][torch.randperm(ids.shape[1], generator=g).to(ids.device)]
+    ref = _reference(case, ids, kv_format)
+    config = _entry_with(kv_format, ids.shape[0], ROWS=4, MERGE_LAST=0)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, config=config, num_splits=splits)
+    torch.testing.assert_close(out, ref, **_tol(ref))
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+def test_plan_sharing_follows_the_measured_union() -> None:
+    """Rows that select the same tokens measure a union of one row and take the shared path;
+    rows with disjoint selections measure `rows` rows' worth and keep the per-row path; the
+    plan reports the entry's threshold it compared against."""
+    case, ids = _case("bf16", 12, 16, PREFILL)
+    pool = case.num_blocks
+    same = ids[:1].expand_as(ids).contiguous()
+    batch = PagedBatch(case.batch.block_table, case.batch.context_lens,
+                       case.batch.query_start,
+                       torch.full_like(case.batch.positions, int(case.batch.positions.min())),
+                       case.batch.block_size)
+    plan = sparse_gqa.plan_sharing(same, batch, case.preset, "bf16", pool, prefill=True)
+    assert plan.union_ratio == pytest.approx(1.0) and plan.shared and plan.rows >= 2
+    disjoint = torch.full_like(ids, -1)
+    for r in range(ids.shape[0]):  # row r: the tokens of one 4-token group of its own
+        disjoint[r, :4] = torch.arange(4 * r, 4 * r + 4, dtype=torch.int32) % 24
+    plan = sparse_gqa.plan_sharing(disjoint, case.batch, case.preset, "bf16", pool,
+                                   prefill=True)
+    assert plan.union_ratio == pytest.approx(plan.rows, rel=0.3) and not plan.shared
+    assert 1.0 < plan.max_union_ratio < plan.rows
 
 
 def test_row_blocks_refused_where_they_can_not_run() -> None:
-    """ROWS must be a listed power of two, run unsplit and fit R x G rows into one MMA tile."""
+    """ROWS must be a listed power of two, merge its splits with the merge kernel and fit
+    R x G rows into one MMA tile."""
     case, ids = _case("bf16", 12, 16, PREFILL)
 
     def call(**meta: int) -> None:
@@ -250,8 +320,8 @@ def test_row_blocks_refused_where_they_can_not_run() -> None:
 
     with pytest.raises(KernelInputError, match="ROWS 3 must be one of"):
         call(ROWS=3)
-    with pytest.raises(KernelInputError, match="ROWS 4 runs unsplit"):
-        call(ROWS=4, NUM_SPLITS=2)
+    with pytest.raises(KernelInputError, match="ROWS 4 merges its splits with the merge kernel"):
+        call(ROWS=4, NUM_SPLITS=2, MERGE_LAST=1)
     with pytest.raises(KernelInputError, match="ROWS 8 x GQA group 24 exceeds"):
         p = case.preset.replace(num_q_heads=48)
         sparse_gqa_prefill(torch.empty((ids.shape[0], 48, p.head_dim), device=DEVICE,

@@ -37,6 +37,10 @@ SM90_SWITCHES = ("PDL",)
 # Counts whose value 1 is a count, not an off switch: the tuner tries them doubled from 1 too
 # (sparse GQA's rows per program).
 COUNTS_FROM_ONE = ("ROWS",)
+# Keys that decide which entry a call runs, not how fast an entry runs (sparse GQA's largest
+# union at which the shared path is chosen, set from the overlap suite's break-even): the tuner
+# holds them, since one shape's timing can not place a threshold.
+HELD_KEYS = ("SHARE_MAX_UNION",)
 
 
 class ConfigError(ValueError):

@@ -46,25 +46,31 @@ Design, and why:
   (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md): the launch gap is a small part
   of them.
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
-* ROWS=R > 1 (config key; unsplit calls only) gives a program R consecutive rows: M holds
-  R x G (row, query head) pairs, and the program walks the union of the rows' selections
-  (`row_block_union`: cache slots, each once, with a bit per row that selected it), so a K/V
-  tile shared by several rows of a prefill chunk is loaded once and every score a row did
-  not select is masked to -inf. It trades K/V bytes for matrix work (R x G rows per tile, and
-  every union token for every row): on the workbench's inputs a 4-row block reads 0.78x the
-  bytes for 3.1x the MMA work (profiles/selection-overlap/).
+* The shared (tile-union) path, config key ROWS=R > 1: a program owns R consecutive rows, M
+  holds R x G (row, query head) pairs, and it walks the union of the rows' selections
+  (`qsa.kernels.row_union`: cache slots, each once, with a bit per row that selected it), so
+  a K/V tile several rows selected is loaded once, and each score a row did not select is
+  masked to -inf: every row attends exactly its own selection. It trades K/V bytes for
+  matrix work (R x G rows per tile over every union token), so it pays only where the rows'
+  selections overlap: `plan_sharing` measures a call's union and chooses per call between
+  the per-row entry (table format "bf16"/"fp8") and the shared one ("bf16-shared"/
+  "fp8-shared", whose SHARE_MAX_UNION is the largest union, in hundredths of one row's ids,
+  at which it is chosen). Split calls deal a union's tiles to the splits in turn, so the
+  splits stay even whatever the union's length (profiles/selection-overlap/NOTES.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from qsa.configs import BlockConfig
+from qsa.configs import BlockConfig, get_config
 from qsa.formats import check_kv_format
 from qsa.kernels import common
+from qsa.kernels.row_union import row_block_union
 from qsa.kernels.common import (KernelInputError, gdc_launch_dependents, gdc_wait, kernel_repr,
                                 kv_code_planes, kv_scale_planes, lookup, require, require_dtype,
                                 require_inner_contiguous, storage_dtypes, unit_count)
@@ -74,17 +80,18 @@ from qsa.presets import ModelPreset
 
 KERNEL_DECODE = "sparse_gqa_decode"
 KERNEL_PREFILL = "sparse_gqa_prefill"
-__all__ = ["KERNEL_DECODE", "KERNEL_PREFILL", "choose_splits", "sparse_gqa_decode",
-           "sparse_gqa_prefill", "split_count", "work"]
+__all__ = ["KERNEL_DECODE", "KERNEL_PREFILL", "SharePlan", "choose_splits", "plan_sharing",
+           "sparse_gqa_decode", "sparse_gqa_prefill", "split_count", "table_format", "work"]
 
 LOG2E = 1.4426950408889634
 MIN_M = 16  # smallest MMA M on every target (mma m16n8k16, MFMA 16x16)
 MAX_M = 128
 MAX_SPLITS = 64
 ROWS_PER_PROGRAM = (1, 2, 4, 8)  # config key ROWS: consecutive rows sharing one program
+SHARED = "-shared"  # table format suffix of the shared (tile-union) path's entries
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS", "SLOTS", "MERGE_LAST", "PDL")
+              "MERGE_WARPS", "SLOTS", "MERGE_LAST", "PDL", "SHARE_MAX_UNION")
 _REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS", "PV_HALVES",
               "PDL", "ROWS")
 
@@ -259,17 +266,24 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
     # union entry, then the union's length in column `width` (ROWS > 1); never both at once
     aux_row = aux_ptr + block.to(tl.int64) * stride_ir
-    # A constexpr trip count: Triton 3.6's interpreter can not take a runtime range bound
-    # under numpy >= 2.4, and whole blocks per split make it exact anyway. A row block's union
-    # is shorter than its constexpr bound (the rows' lists together): on a GPU the loop stops
-    # at the union's length (RUNTIME_TRIPS); the tiles past it are all masked, so the
-    # interpreter's full count gives the same result.
-    for i in range(tl.cdiv(tl.load(aux_row + width), BLOCK_N) if RUNTIME_TRIPS
-                   else SPLIT_BLOCKS):
-        n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        ids = tl.load(ids_row + n, mask=n < width, other=-1)
+    if ROWS > 1:
+        # A union's tiles are dealt to the splits in turn (tile i to split i % num_splits), so
+        # the splits stay even whatever its length. A constexpr trip count under the
+        # interpreter (Triton 3.6's can not take a runtime range bound under numpy >= 2.4):
+        # the tiles past the union are all masked there.
+        length = tl.load(aux_row + width)
+    # One row per program: whole blocks per split make the constexpr count exact.
+    for i in range(tl.cdiv(tl.maximum(tl.cdiv(length, BLOCK_N) - split, 0), num_splits)
+                   if RUNTIME_TRIPS else SPLIT_BLOCKS):
+        if ROWS > 1:
+            n = (i * num_splits + split) * BLOCK_N + tl.arange(0, BLOCK_N)
+            inside = n < length
+        else:
+            n = n_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            inside = n < width
+        ids = tl.load(ids_row + n, mask=inside, other=-1)
         if ROWS > 1:  # which of the program's rows selected each id: bit r of its mask
-            bits = tl.load(aux_row + n, mask=n < width, other=0)
+            bits = tl.load(aux_row + n, mask=inside, other=0)
         if SLOTS:
             # ids are cache slots (block * PAGE + offset, -1 for none): one dependent level
             valid = ids >= 0
@@ -324,8 +338,11 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     out_off = qrow64 * stride_or + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT:  # one row per program (ROWS = 1): qrow64 is its scalar offset
-        part0 = (qrow64 * (HKV * G) + heads) * num_splits  # [rows, Hq, splits] order
+    if SPLIT:  # partials in [rows, Hq, splits] order
+        if ROWS > 1:
+            part0 = ((row + r_m).to(tl.int64) * (HKV * G) + heads) * num_splits
+        else:  # qrow64 is the row's scalar offset
+            part0 = (qrow64 * (HKV * G) + heads) * num_splits
         tl.store(po_ptr + (part0 + split)[:, None] * D + d[None, :], o, mask=hmask[:, None])
         tl.store(lse_ptr + part0 + split, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
                                                    float("-inf")), mask=hmask)
@@ -484,11 +501,17 @@ def _auto_splits(host: dict[str, int], units: int, width: int, block_n: int,
                          host["SPLIT_RESIDENT_PER_SM"], host.get("SPLIT_MIN_BLOCKS", 1))
 
 
-def _plan(kernel: str, kv_format: str, rows: int, hkv: int, width: int, device: torch.device,
+def table_format(kv_format: str, shared: bool) -> str:
+    """The table format key of a call: the per-row entries, or the shared path's."""
+    return kv_format + SHARED if shared else kv_format
+
+
+def _plan(kernel: str, fmt: str, rows: int, hkv: int, width: int, device: torch.device,
           config: BlockConfig | None, num_splits: int | None
           ) -> tuple[dict, dict[str, int], int, int]:
-    """Launch keywords, host-side config keys, splits and token blocks per split."""
-    _, kw = lookup(kernel, kv_format, rows, config)
+    """Launch keywords, host-side config keys, splits and token blocks per split of a call
+    whose table format key is `fmt` (`table_format`)."""
+    _, kw = lookup(kernel, fmt, rows, config)
     host = {key: kw.pop(key) for key in _HOST_KEYS if key in kw}
     kw.setdefault("PV_HALVES", 0)  # a config written before the switch existed
     kw.setdefault("ROWS", 1)
@@ -498,18 +521,19 @@ def _plan(kernel: str, kv_format: str, rows: int, hkv: int, width: int, device: 
     per = kw["ROWS"]
     require(per in ROWS_PER_PROGRAM, f"config: ROWS {per} must be one of {ROWS_PER_PROGRAM}")
     if per > 1:  # one token list per row block: the union of its rows' lists
-        require(num_splits in (None, 1) and host.get("NUM_SPLITS", 0) <= 1
-                and "SPLIT_RESIDENT_PER_SM" not in host and not host.get("MERGE_LAST", 0),
-                f"config: ROWS {per} runs unsplit (a program owns its rows' whole union); "
-                "drop NUM_SPLITS, SPLIT_RESIDENT_PER_SM and MERGE_LAST or use ROWS 1")
-        num_splits, width = 1, width * per
+        require(not host.get("MERGE_LAST", 0),
+                f"config: ROWS {per} merges its splits with the merge kernel; use MERGE_LAST 0")
     units = triton.cdiv(rows, per) * hkv
     if num_splits is None:
+        # A union is at least one row's width and at most `per` of them: splits are sized for
+        # the overlapping rows the shared path is chosen for.
         num_splits = _auto_splits(host, units, width, block_n, device)
     require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
             f"num_splits {num_splits}: must be an integer in 1..{MAX_SPLITS}")
     require(units * num_splits < 2**31, f"{rows} rows x {hkv} KV heads x {num_splits} splits "
                                         "exceed one launch grid")
+    if per > 1:  # tiles dealt in turn: every split exists, each loops over its share
+        return kw, host, num_splits, triton.cdiv(triton.cdiv(width * per, block_n), num_splits)
     # Whole token blocks per split, so no block straddles two programs.
     split_blocks = triton.cdiv(triton.cdiv(width, block_n), num_splits)
     return kw, host, triton.cdiv(width, split_blocks * block_n), split_blocks
@@ -517,14 +541,15 @@ def _plan(kernel: str, kv_format: str, rows: int, hkv: int, width: int, device: 
 
 def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
                 device: torch.device | str, *, prefill: bool = False,
-                config: BlockConfig | None = None, num_splits: int | None = None) -> int:
+                config: BlockConfig | None = None, num_splits: int | None = None,
+                shared: bool = False) -> int:
     """Programs per (row, KV head) a launch of this shape uses: what benchmarks record next to
     a time, since the split rule depends on the device. A requested `num_splits` is clamped so
     that every split gets whole token blocks and none is empty: with B = cdiv(width, BLOCK_N)
     blocks, the launch uses cdiv(B, cdiv(B, num_splits)) splits (never more than B)."""
     kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
-    return _plan(kernel, kv_format, rows, preset.num_kv_heads, width, torch.device(device),
-                 config, num_splits)[2]
+    return _plan(kernel, table_format(kv_format, shared), rows, preset.num_kv_heads, width,
+                 torch.device(device), config, num_splits)[2]
 
 
 def _check_merge_last(device: torch.device) -> None:
@@ -554,7 +579,7 @@ def _use_pdl(host: dict[str, int]) -> bool:
 def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
             out: torch.Tensor | None, config: BlockConfig | None, num_splits: int | None,
-            check: bool | None, kernel: str) -> torch.Tensor:
+            check: bool | None, kernel: str, shared: bool) -> torch.Tensor:
     _check(q, cache, batch, token_ids, preset, kv_format, out)
     if check is None:
         check = q.device.type == "cpu"
@@ -570,8 +595,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     ks, vs = (cache["k_scale"], cache["v_scale"]) if fp8 else (kc, vc)  # unread placeholders
     hkv, g = preset.num_kv_heads, preset.gqa_group
     width = token_ids.shape[1]
-    kw, host, num_splits, split_blocks = _plan(kernel, kv_format, rows, hkv, width, q.device,
-                                               config, num_splits)
+    kw, host, num_splits, split_blocks = _plan(kernel, table_format(kv_format, shared), rows,
+                                               hkv, width, q.device, config, num_splits)
     per = kw["ROWS"]
     require(per * g <= MAX_M, f"config: ROWS {per} x GQA group {g} exceeds an MMA tile of "
                               f"{MAX_M} rows")
@@ -581,17 +606,16 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     slots = bool(host.get("SLOTS", 0)) or per > 1  # a row block's union is one of slots
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
-    ids = token_ids
-    if slots:
+    ids = aux = token_ids  # aux: an unread placeholder unless a union's bits or the counters
+    if per > 1:
+        ids, aux = row_block_union(token_ids, batch, per, kc.shape[0])
+    elif slots:
         ids = torch.empty((rows, width), dtype=torch.int32, device=q.device)
         _slots_kernel[(rows, triton.cdiv(width, 1024))](
             token_ids, batch.block_table, batch.context_lens, batch.query_start, ids,
             batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
             PDL=pdl, num_warps=4, **pdl_kw)
-    aux = ids  # an unread placeholder unless a row block's bits or the merge's counters
-    if per > 1:
-        ids, aux = row_block_union(ids, per)
     merge_last = split and bool(host.get("MERGE_LAST", 0))
     if merge_last:
         _check_merge_last(q.device)
@@ -627,46 +651,11 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     return out
 
 
-def row_block_union(slots: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each block of `per` consecutive rows (the last one may be short): the cache slots
-    its rows read, each once, ascending and -1 padded ([blocks, per * width] int32); and for
-    each, the rows that selected it (bit r for the block's row r), followed by the union's
-    length ([blocks, per * width + 1] int32, the same row stride as the slots).
-    Rows of different requests may share a block: slots are places in the cache, so only a
-    page two requests both map is shared, and then its K/V are the same. A row that lists a
-    slot twice counts it once. Fixed-size tensor operations only, so a CUDA graph can capture
-    it: the slots, tagged with their row, are sorted per block and the first of each run of
-    equal slots becomes a union entry."""
-    rows, width = slots.shape
-    blocks = triton.cdiv(rows, per)
-    s = slots.to(torch.int64)
-    if blocks * per > rows:
-        s = torch.cat([s, s.new_full((blocks * per - rows, width), -1)])
-    s = s.view(blocks, per * width)
-    row = torch.arange(per, device=s.device).repeat_interleave(width)
-    none = torch.iinfo(torch.int64).max  # sorts after every slot
-    key = torch.where(s >= 0, s * per + row, none).sort(dim=1).values
-    valid = key != none
-    slot = key // per
-    first = valid.clone()
-    first[:, 1:] &= slot[:, 1:] != slot[:, :-1]
-    new = valid.clone()  # first of each (slot, row) pair
-    new[:, 1:] &= key[:, 1:] != key[:, :-1]
-    idx = (first.cumsum(1) - 1).clamp(min=0)
-    n = per * width
-    union = s.new_full((blocks, n + 1), -1, dtype=torch.int32)  # column n takes the rest
-    union.scatter_(1, torch.where(first, idx, n), slot.to(torch.int32))
-    bits = torch.zeros_like(union)
-    bits.scatter_add_(1, idx, torch.where(new, 1 << (key % per), 0).to(torch.int32))
-    bits[:, n] = first.sum(1, dtype=torch.int32)
-    return union[:, :n], bits
-
-
 def sparse_gqa_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
                       token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
                       out: torch.Tensor | None = None, config: BlockConfig | None = None,
-                      num_splits: int | None = None, check: bool | None = None
-                      ) -> torch.Tensor:
+                      num_splits: int | None = None, check: bool | None = None,
+                      shared: bool = False) -> torch.Tensor:
     """Attention of each query row over its selected token ids; returns out [rows, Hq, D].
 
     q [rows, Hq, D] bf16; cache 'k', 'v' [blocks, block_size, Hkv, D] bf16 or fp8 (the block dim
@@ -677,21 +666,64 @@ def sparse_gqa_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: Pa
     `split_count`, which reports the count a launch uses). check: validate the batch, page table and every id
     against its request's context (reads device data: a sync on a GPU, illegal in graph
     capture). None checks on the CPU only. Unchecked, an id outside its context or a page
-    outside the pool is skipped by the kernel, never read.
+    outside the pool is skipped by the kernel, never read. shared: look the config up under
+    the shared (tile-union) path's entries (`plan_sharing` decides; an explicit config's ROWS
+    decides by itself).
     """
     return _launch(q, cache, batch, token_ids, preset, kv_format, out, config, num_splits,
-                   check, KERNEL_DECODE)
+                   check, KERNEL_DECODE, shared)
 
 
 def sparse_gqa_prefill(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
                        token_ids: torch.Tensor, preset: ModelPreset, kv_format: str,
                        out: torch.Tensor | None = None, config: BlockConfig | None = None,
-                       num_splits: int | None = None, check: bool | None = None
-                       ) -> torch.Tensor:
+                       num_splits: int | None = None, check: bool | None = None,
+                       shared: bool = False) -> torch.Tensor:
     """Same contract as `sparse_gqa_decode`, for many rows: the prefill block config, and
     unsplit unless `num_splits` (or the config's NUM_SPLITS) asks for splits."""
     return _launch(q, cache, batch, token_ids, preset, kv_format, out, config, num_splits,
-                   check, KERNEL_PREFILL)
+                   check, KERNEL_PREFILL, shared)
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """The per-call choice between the per-row and the shared path, with what decided it.
+    union_ratio: the call's row blocks' unions over one row's ids (1: the rows of a block
+    select the same tokens, `rows`: they share none); the shared path is chosen when it is at
+    most max_union_ratio, the shared entry's SHARE_MAX_UNION."""
+
+    shared: bool
+    rows: int
+    union_ratio: float
+    max_union_ratio: float
+
+
+def union_ratio(token_ids: torch.Tensor, batch: PagedBatch, per: int, pool_blocks: int
+                ) -> float:
+    """A row block's union over one row's readable ids, averaged over the call (entries of
+    all unions x per / readable ids of all rows), measured with the union the shared path
+    builds. Reads the lengths back: a device sync."""
+    _, bits = row_block_union(token_ids, batch, per, pool_blocks)
+    _, own = row_block_union(token_ids, batch, 1, pool_blocks)  # each row's readable ids
+    ids = float(own[:, -1].sum())
+    return float(bits[:, -1].sum()) * per / ids if ids else 1.0
+
+
+def plan_sharing(token_ids: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
+                 kv_format: str, pool_blocks: int, *, prefill: bool = False) -> SharePlan:
+    """Measure the union the shared entry's ROWS would build for this call's ids and choose
+    the path (`SharePlan`). Made before a call, not inside it: the measurement reads device
+    data, which a captured graph can not."""
+    kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
+    rows = token_ids.shape[0]
+    _, arch = common.backend_and_arch()
+    entry = get_config(kernel, arch, table_format(kv_format, True), rows).config
+    per = entry.meta.get("ROWS", 1)
+    limit = entry.meta.get("SHARE_MAX_UNION", 0) / 100
+    if per < 2 or rows < 2:
+        return SharePlan(False, per, float(min(per, rows)), limit)
+    ratio = union_ratio(token_ids, batch, per, pool_blocks)
+    return SharePlan(ratio <= limit, per, ratio, limit)
 
 
 def work(token_ids: torch.Tensor, batch: PagedBatch, preset: ModelPreset, kv_format: str

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from qsa import overlap as ov
 from qsa.arena.fields import kv_field_names
 from qsa.cases import (Case, CaseSpec, make_batch, make_case, poison_, random_selection,
                        touched_kv_pool)
@@ -31,6 +32,7 @@ from qsa.reference import (rope_inv_freq, score_reference, sparse_gqa_reference,
                            topk_expand_reference)
 from qsa.reference.compress import completed_groups
 from qsa.reference.pipeline import pass_start_positions, row_slots
+from qsa.trace import read_trace
 from qsa.tolerances import (ATTENTION_ATOL, ATTENTION_RTOL, CODE_MISMATCH,
                             INTERPRETER_FP8_MISMATCH, SCORE_ATOL, SCORE_RTOL)
 
@@ -45,9 +47,15 @@ KERNEL_OF: dict[str, str] = {
 }
 KV_OPS = ("kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
 # How a sparse-attention point picks its token ids: the index path on realistic keys (scores,
-# top-k), or `random` (the worst case: independent random groups per row, K/V pool holding only
-# the selected pages, so 128K contexts at batch 64 fit).
-SELECTIONS = ("index", "random")
+# top-k), or `random` (random groups per row, K/V pool holding only the selected pages, so 128K
+# contexts at batch 64 fit), or `trace` (a selection trace's, `qsa.trace`: its requests and rows,
+# K/V random). The first two take the point's `overlap`, how much neighbouring rows'
+# selections overlap (0: independent rows, the worst case for sharing K/V tiles).
+SELECTIONS = ("index", "random", "trace")
+ATTENTION_OPS = ("sparse_gqa_decode", "sparse_gqa_prefill")
+# Which sparse GQA path a point runs: chosen per call from the measured union (`auto`, what
+# production does), or forced, so both paths can be timed side by side on the same inputs.
+SHARING = ("auto", "per-row", "shared")
 MAX_ROTATION_BYTES = 24 << 30  # memory allowed for rotated input copies
 
 
@@ -68,6 +76,10 @@ class Point:
     kv_format: str = "bf16"
     seed: int = 0
     selection: str = "index"
+    overlap: float = 0.0  # target mean Jaccard of neighbouring rows' selections
+    sharing: str = "auto"
+    trace: str | None = None  # selection "trace": the trace file
+    trace_layer: int | None = None  # its layer replayed (None: the first)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -75,9 +87,18 @@ class Point:
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection: {self.selection!r} is not one of "
                              f"{', '.join(SELECTIONS)}")
-        if self.selection == "random" and self.op != "sparse_gqa_decode":
-            raise ValueError(f"selection: random selections are for sparse_gqa_decode, not "
-                             f"{self.op}")
+        if self.selection in ("random", "trace") and self.op not in ATTENTION_OPS:
+            raise ValueError(f"selection: {self.selection} selections are for "
+                             f"{' and '.join(ATTENTION_OPS)}, not {self.op}")
+        if (self.selection == "trace") != (self.trace is not None):
+            raise ValueError("selection: a trace file goes with selection trace, and back")
+        if self.trace is not None and self.overlap:
+            raise ValueError("overlap: a trace's selections overlap as they were recorded")
+        ov.check_target(self.overlap)
+        if self.sharing not in SHARING:
+            raise ValueError(f"sharing: {self.sharing!r} is not one of {', '.join(SHARING)}")
+        if self.sharing != "auto" and self.op not in ATTENTION_OPS:
+            raise ValueError(f"sharing: only sparse GQA ops have a shared path, not {self.op}")
         for name in ("batch", "context", "rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -96,17 +117,24 @@ class Point:
     @property
     def table_formats(self) -> tuple[str, ...]:
         """Every format key of the op's table whose entries this point can run: top-k's
-        entries for many rows run at any row count, so a compile check covers them too."""
+        entries for many rows run at any row count, and sparse GQA's shared entries on any
+        selection, so a compile check covers them too."""
         if self.op == "topk_expand":
             from qsa.kernels.topk import FORMAT, FORMAT_MANY_ROWS
 
             return FORMAT, FORMAT_MANY_ROWS
+        if self.op in ATTENTION_OPS:  # the per-row entries and the shared path's
+            from qsa.kernels.sparse_gqa import table_format
+
+            return self.fmt, table_format(self.fmt, True)
         return (self.fmt,)
 
     def as_record(self) -> dict[str, Any]:
         return {"op": self.op, "preset": self.preset.name, "batch": self.batch,
                 "context": self.context, "rows": self.rows, "index_format": self.index_format,
-                "kv_format": self.kv_format, "seed": self.seed, "selection": self.selection}
+                "kv_format": self.kv_format, "seed": self.seed, "selection": self.selection,
+                "overlap_target": None if self.trace else self.overlap,
+                "sharing": self.sharing, "trace": self.trace, "trace_layer": self.trace_layer}
 
 
 @dataclass
@@ -120,6 +148,7 @@ class Prepared:
     work: Work
     n_sets: int
     bytes_per_set: int
+    inputs: dict[str, Any]  # what the inputs measure (overlap) and what the call chose
 
 
 @contextlib.contextmanager
@@ -227,12 +256,25 @@ def assert_codes_match(name: str, got: torch.Tensor, want: torch.Tensor,
                                 "from the reference by more than one step")
 
 
+# Ops whose inputs hold selections or the index queries that make them: the only ones whose
+# cases are built (and calibrated) with the point's overlap.
+SELECTING_OPS = ("score_stacked", "score_rowwise", "score_prefill", "topk_expand",
+                 *ATTENTION_OPS)
+
+
 def _case(point: Point, device: str, dev: DeviceInfo, build_kv: bool) -> Case:
     spec = CaseSpec(point.preset, (point.context,) * point.batch, (point.rows,) * point.batch,
                     index_format=point.index_format, kv_format=point.kv_format,
                     fp8_dtype=dev.fp8_dtype or torch.float8_e4m3fn, seed=point.seed,
-                    build_kv=build_kv)
+                    build_kv=build_kv,
+                    overlap=point.overlap if point.op in SELECTING_OPS else 0.0)
     return make_case(spec, device)
+
+
+def _case_overlap(case: Case, point: Point) -> dict[str, Any]:
+    """The overlap record of an index-path op: its rows' selections as calibrated (none for an
+    op whose inputs hold no selection)."""
+    return {"overlap_measured": case.overlap_measured if point.op in SELECTING_OPS else None}
 
 
 def _index_planes(case: Case, device: str) -> dict[str, torch.Tensor]:
@@ -268,7 +310,8 @@ def _prepare_score(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         # bf16 queries and MMA operands against an FP32 reference
         assert_close(point.op, call(0, cfg), want, atol=SCORE_ATOL, rtol=SCORE_RTOL)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]),
+                    _case_overlap(case, point))
 
 
 def _prepare_topk(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -293,7 +336,8 @@ def _prepare_topk(point: Point, device: str, dev: DeviceInfo) -> Prepared:
             raise VerificationError(f"topk_expand: row {int(diff.nonzero()[0])} selects other "
                                     "tokens than the reference")
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]),
+                    _case_overlap(case, point))
 
 
 def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -336,7 +380,8 @@ def _prepare_compress(point: Point, device: str, dev: DeviceInfo) -> Prepared:
                 else CODE_MISMATCH)
         assert_codes_match("compress", got[blk, off], ref[blk, off], frac)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]),
+                    _case_overlap(case, point))
 
 
 def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
@@ -369,23 +414,32 @@ def _prepare_kv_store(point: Point, device: str, dev: DeviceInfo) -> Prepared:
             elif not same_values(got, ref):  # on a GPU: bit-exact by value
                 raise VerificationError(f"kv_store: {k} differs from the reference")
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]),
+                    _case_overlap(case, point))
 
 
 def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     from qsa.kernels import sparse_gqa
 
-    fn = (sparse_gqa.sparse_gqa_decode if point.op == "sparse_gqa_decode"
-          else sparse_gqa.sparse_gqa_prefill)
+    prefill = point.op == "sparse_gqa_prefill"
+    fn = sparse_gqa.sparse_gqa_prefill if prefill else sparse_gqa.sparse_gqa_decode
     p, fmt = point.preset, point.kv_format
-    if point.selection == "random":
+    if point.selection in ("random", "trace"):
         # Only the page table, q and the selected pages: no index path, no whole contexts.
-        spec = CaseSpec.decode(p, point.batch, point.context, point.rows, seed=point.seed)
+        if point.trace is not None:
+            trace = read_trace(point.trace, p)
+            spec = CaseSpec(p, tuple(trace.context_lens.tolist()), trace.rows_per_request,
+                            seed=point.seed)
+        else:
+            spec = CaseSpec.decode(p, point.batch, point.context, point.rows, seed=point.seed)
         full = make_batch(spec, torch.Generator().manual_seed(point.seed), device)
         gen = torch.Generator(device=device).manual_seed(point.seed + 7)
         q = torch.randn((full.num_rows, p.num_q_heads, p.head_dim), generator=gen,
                         device=device).to(torch.bfloat16)
-        ids = random_selection(full, p, gen)
+        if point.trace is not None:
+            ids = trace.token_ids(point.trace_layer, device)
+        else:
+            ids, _ = random_selection(full, p, gen, point.overlap)
         batch, pools = touched_kv_pool(full, ids, p, (fmt,), point.seed + 8,
                                        dev.fp8_dtype or torch.float8_e4m3fn)
         cache = pools[fmt]
@@ -399,22 +453,28 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     kv = {k: kernel_view(cache[k], device) for k in kv_field_names(cache)}
     sets = rotation_sets({**kv, "q": kernel_view(q, device)}, work, dev)
     outs = [torch.empty(q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
+    # Per call, from the union these ids make: the per-row or the shared path.
+    plan = sparse_gqa.plan_sharing(ids, batch, p, fmt, cache["k"].shape[0], prefill=prefill)
+    shared = plan.shared if point.sharing == "auto" else point.sharing == "shared"
+    inputs = {**ov.measure(ids, batch, plan.rows).as_record(point.overlap),
+              "path": "shared" if shared else "per-row",
+              "share_max_union": plan.max_union_ratio}
 
     # A random-selection pool holds only the selected pages: the page table has holes (-1)
     # that the batch check would refuse, so only the reference comparison checks the call.
-    checked = {"check": False} if point.selection == "random" else {}
+    checked = {"check": False} if point.selection != "index" else {}
 
     def call(i: int, cfg: BlockConfig | None) -> torch.Tensor:
         s = sets[i]
         return fn(s["q"], {k: s[k] for k in kv}, batch, ids, p, fmt, out=outs[i],
-                  config=cfg, **checked)
+                  config=cfg, shared=shared, **checked)
 
     def check(cfg: BlockConfig | None) -> None:
         poison_(outs[0])
         assert_close(point.op, call(0, cfg), want, atol=ATTENTION_ATOL,
                      rtol=ATTENTION_RTOL)
 
-    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]))
+    return Prepared(point, call, check, work, len(sets), _nbytes(sets[0]), inputs)
 
 
 _PREPARERS: dict[str, Callable[[Point, str, DeviceInfo], Prepared]] = {
@@ -478,6 +538,7 @@ def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
     matrix = "fp8" if prep.point.fmt == "fp8" and prep.point.op == "score_prefill" else "bf16"
     rec: dict[str, Any] = {
         **_verified_record(prep.point, config),
+        **prep.inputs,
         **timing.as_record(),
         **{k: v for k, v in repeat.items() if k.startswith(("repeat_", "noise_"))},
         **roofline_record(timing, prep.work, ceilings, matrix=matrix),
@@ -491,21 +552,23 @@ def measure(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int,
             rows: int, index_format: str = "bf16", kv_format: str = "bf16",
             config: BlockConfig | None = None, device: str | None = None,
             env: dict[str, str] | None = None, seed: int = 0,
-            samples: int | None = None, selection: str = "index", timed: bool = True
-            ) -> dict[str, Any]:
+            samples: int | None = None, selection: str = "index", timed: bool = True,
+            overlap: float = 0.0, sharing: str = "auto", trace: str | None = None,
+            trace_layer: int | None = None) -> dict[str, Any]:
     """Build, verify and time one point; see the module docstring. `timed=False` verifies
     only (one input set, no timing): quick checks and memory-checker runs."""
     with env_overrides(env):
         point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
-                      seed, selection)
+                      seed, selection, overlap, sharing, trace, trace_layer)
         if timed:
             rec = measure_prepared(prepare(point, device), config, samples)
         else:
             token = _ROTATE.set(False)
             try:
-                prepare(point, device).check(config)
+                prep = prepare(point, device)
+                prep.check(config)
             finally:
                 _ROTATE.reset(token)
-            rec = {**_verified_record(point, config), "us": None}
+            rec = {**_verified_record(point, config), **prep.inputs, "us": None}
     rec["env"] = json.dumps(env or {}, sort_keys=True)
     return rec

@@ -823,11 +823,24 @@ def _tune(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
     return figs
 
 
-def _bench(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
-    """A `qsa bench` run: every point under the device's measured roofs (a GPU run)."""
-    if "intensity_flop_per_byte" not in df or not _has_fractions(df):
+def overlap_figures(df: pd.DataFrame, out: Path, caption: str | None = None,
+                    title: str = "Sparse GQA, per-row and shared, against the rows' overlap"
+                    ) -> list[FigureResult]:
+    """The overlap figure of a run's sparse GQA points when they span several overlaps."""
+    if "path" not in df or "overlap_target" not in df:
         return []
-    return [intensity_roofline(df[df["verified"].fillna(False).astype(bool)]
+    pts = df[df["path"].notna() & df["us"].notna()] if "us" in df else df.iloc[0:0]
+    if pts.empty or pts["overlap_target"].nunique() < 2:
+        return []
+    return [overlap_curves(pts, out, title=title, caption=caption)]
+
+
+def _bench(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa bench` run: every point under the device's measured roofs (a GPU run), and the
+    sparse GQA points against their overlap where they span several."""
+    if "intensity_flop_per_byte" not in df or not _has_fractions(df):
+        return overlap_figures(df, out, caption)
+    return overlap_figures(df, out, caption) + [intensity_roofline(df[df["verified"].fillna(False).astype(bool)]
                                if "verified" in df else df, out, caption=caption,
                                title="Every point under the device's measured roofs")]
 
@@ -913,3 +926,59 @@ def figures_for_run(run_dir: str | Path, out_dir: str | Path | None = None) -> l
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "figures"
     results = figures_for(df, meta["kind"], out, [meta])
     return [p for r in results for p in r.paths]
+
+
+def break_even(part: pd.DataFrame, x: str = "overlap_measured", y: str = "us") -> float | None:
+    """The overlap at which the shared path starts to beat the per-row one (linear between the
+    two measured overlaps where the sign of per-row minus shared changes); None when one path
+    wins everywhere or either is missing."""
+    by = {s: g.groupby(x)[y].median() for s, g in part.groupby("path")}
+    if not {"per-row", "shared"} <= set(by):
+        return None
+    diff = (by["per-row"] - by["shared"]).dropna().sort_index()
+    xs, ds = diff.index.to_numpy(), diff.to_numpy()
+    for i in range(1, len(ds)):
+        if ds[i - 1] <= 0 < ds[i]:
+            return float(xs[i - 1] + (xs[i] - xs[i - 1]) * -ds[i - 1] / (ds[i] - ds[i - 1]))
+    return None
+
+
+@styled
+def overlap_curves(df: pd.DataFrame, out_dir: str | Path, *, name: str = "overlap",
+                   title: str, caption: str | None = None) -> FigureResult:
+    """Sparse GQA µs per call against the measured overlap of neighbouring rows' selections,
+    one panel per (op, shape), a line per path (per-row, shared, and the per-call choice)
+    and K/V format, the break-even overlap of each format marked."""
+    _check_columns(df, "op", "context", "rows", "kv_format", "us", "overlap_measured",
+                   "sharing", "path")
+    df = df[df["us"].notna()].assign(
+        line=lambda d: d["sharing"].where(d["sharing"] != "auto", "per-call choice"),
+        panel=lambda d: (d["op"].str.replace("sparse_gqa_", "") + " " + d["batch"].astype(str)
+                         + " x " + d["context"].map(_tokens) + ", " + d["rows"].astype(str)
+                         + " rows per request"))
+    panels, lines, kvs = _values(df, "panel"), _values(df, "line"), _values(df, "kv_format")
+    fig, axes = _new_figure(len(panels))
+    for ax, pv in zip(axes[0], panels):
+        part = df[df["panel"] == pv]
+        for j, kv in enumerate(kvs):
+            fmt_part = part[part["kv_format"] == kv]
+            for i, line in enumerate(lines):
+                pts = fmt_part[fmt_part["line"] == line].sort_values("overlap_measured")
+                if not pts.empty:
+                    ax.plot(pts["overlap_measured"], pts["us"], color=PALETTE[i % len(PALETTE)],
+                            linestyle=LINESTYLES[j % len(LINESTYLES)],
+                            marker=MARKERS[j % len(MARKERS)], label=f"{line}, {kv} K/V")
+            at = break_even(fmt_part[fmt_part["sharing"] != "auto"])
+            if at is not None:
+                ax.axvline(at, color="0.35", linestyle=LINESTYLES[j % len(LINESTYLES)],
+                           linewidth=0.9)
+                ax.annotate(f"break-even {kv}: {at:.2f}", (at, 1.0), xycoords=("data",
+                            "axes fraction"), rotation=90, va="top", ha="right", fontsize=7)
+        ax.set_yscale("log")
+        _num_axis(ax)
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("measured mean Jaccard of neighbouring rows' selections")
+        ax.set_title(pv)
+    axes[0][0].set_ylabel("µs per call")
+    _legend(fig, axes)
+    return _finish(fig, df, title, caption, out_dir, name)

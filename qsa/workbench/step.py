@@ -21,7 +21,7 @@ import pandas as pd
 
 from qsa.measure.timing import METHOD_GRAPH, time_fn
 from qsa.presets import ModelPreset, as_preset
-from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
+from qsa.workbench.ops import ATTENTION_OPS, Point, Prepared, measure_prepared, prepare
 
 # Kernels of one layer pass per phase, in execution order; the decode scorer is chosen like
 # the runtime does ("score").
@@ -31,6 +31,8 @@ LAYER_OPS: dict[str, tuple[str, ...]] = {
 }
 PHASES = tuple(LAYER_OPS)
 SUM_ROW = "sum of kernels"  # the summary row of a step frame (suite targets name it too)
+# What each kernel row of a step carries about its inputs and the path the call took.
+STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path")
 
 
 def step_total(steps: pd.DataFrame) -> float:
@@ -53,10 +55,16 @@ class StepCall:
     index_format: str
     kv_format: str
 
-    def point(self, preset: ModelPreset, batch: int, context: int) -> Point:
-        """The measurable shape of this call in a step of `batch` requests at `context`."""
+    def point(self, preset: ModelPreset, batch: int, context: int, overlap: float = 0.0,
+              trace: str | None = None) -> Point:
+        """The measurable shape of this call in a step of `batch` requests at `context`, its
+        rows' selections overlapping by `overlap` (target mean Jaccard of neighbours); with a
+        `trace`, the target layers' sparse GQA replays its selections instead."""
+        if trace is not None and self.phase == "target" and self.op in ATTENTION_OPS:
+            return Point(self.op, preset, batch, context, self.rows, self.index_format,
+                         self.kv_format, selection="trace", trace=trace)
         return Point(self.op, preset, batch, context, self.rows, self.index_format,
-                     self.kv_format)
+                     self.kv_format, overlap=0.0 if trace is not None else overlap)
 
 
 def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
@@ -89,11 +97,15 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
                    index_format: str = "bf16", kv_format: str = "bf16",
                    device: str | None = None, graph: bool = True,
                    samples: int | None = None, progress: bool = False, *,
-                   phase: str = "decode", rows: int | None = None) -> pd.DataFrame:
+                   phase: str = "decode", rows: int | None = None,
+                   overlap: float = 0.0, trace: str | None = None) -> pd.DataFrame:
     """`mtp` defaults to the preset's draft depth; `phase` "prefill" rolls up one chunk of
-    `rows` rows per request ending at `context`. One row per (phase, kernel): µs per call,
-    calls per step, µs per step and share of the summed step; then a `sum` row and, where
-    graphs work, a `graph replay` row."""
+    `rows` rows per request ending at `context`; `overlap`: how much neighbouring rows'
+    selections overlap (target mean Jaccard; 0 independent rows). One row per (phase,
+    kernel): µs per call, calls per step, µs per step and share of the summed step, the
+    measured overlap and, for sparse GQA, the path the call chose; then a `sum` row and,
+    where graphs work, a `graph replay` row. `trace`: a uniform selection trace of this
+    shape whose selections the target layers' sparse GQA replays (`trace_shape`)."""
     p = as_preset(preset)
     if mtp is not None:
         p = p.replace(mtp_draft_tokens=mtp)  # validated: verify rows 1..8
@@ -105,14 +117,15 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
 
         calls = tqdm(calls, desc="step kernels", unit="kernel")
     for c in calls:
-        prep = prepare(c.point(p, batch, context), device)
+        prep = prepare(c.point(p, batch, context, overlap, trace), device)
         rec = measure_prepared(prep, samples=samples)
         preps.append((c, prep))
         rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,
                      "calls_per_step": c.calls_per_step, "us_per_call": rec["us"],
                      "us_per_step": rec["us"] * c.calls_per_step,
                      "method": rec["method"], "calls_per_sample": rec["calls_per_sample"],
-                     "sizing": rec["sizing"], "functional_only": rec["functional_only"]})
+                     "sizing": rec["sizing"], "functional_only": rec["functional_only"],
+                     **{k: rec.get(k) for k in STEP_INPUT_KEYS}})
     df = pd.DataFrame(rows)
     total = df["us_per_step"].sum()
     df["share"] = df["us_per_step"] / total
@@ -132,15 +145,31 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
 
 def step_breakdowns(preset: str | ModelPreset, batch: int, context: int, mtp: int | None,
                     pairs: Sequence[tuple[str, str]], progress: bool = False, *,
-                    phase: str = "decode", rows: int | None = None
+                    phase: str = "decode", rows: int | None = None,
+                    overlaps: Sequence[float] = (0.0,), trace: str | None = None
                     ) -> Iterator[pd.DataFrame]:
-    """`step_breakdown` for each (index format, KV format) pair, in order, each frame tagged
-    with its pair and step phase: the side-by-side step of `qsa step --formats` and of
-    suites."""
-    for idx, kv in pairs:
-        yield step_breakdown(preset, batch, context, mtp, idx, kv, progress=progress,
-                             phase=phase, rows=rows).assign(index_format=idx, kv_format=kv,
-                                                            step_phase=phase)
+    """`step_breakdown` for each overlap and (index format, KV format) pair, in order, each
+    frame tagged with its pair, overlap target and step phase: the side-by-side step of
+    `qsa step --formats --overlap` and of suites."""
+    for ov in overlaps:
+        for idx, kv in pairs:
+            yield step_breakdown(preset, batch, context, mtp, idx, kv, progress=progress,
+                                 phase=phase, rows=rows, overlap=ov, trace=trace).assign(
+                index_format=idx, kv_format=kv, step_phase=phase, overlap_target=ov)
+
+
+def trace_shape(trace: str, preset: ModelPreset) -> tuple[int, int, int]:
+    """(requests, context, rows per request) of a trace a step can replay: every request of
+    the same context and rows, since the step's other calls are measured at one shape."""
+    from qsa.trace import TraceError, read_trace
+
+    t = read_trace(trace, preset)
+    ctx, rows = set(t.context_lens.tolist()), set(t.rows_per_request)
+    if len(ctx) != 1 or len(rows) != 1:
+        raise TraceError(f"{trace}: a step replays a uniform trace (one context and one row "
+                         f"count for every request); this one has contexts {sorted(ctx)[:4]} "
+                         f"and rows {sorted(rows)[:4]} (qsa bench --trace replays any trace)")
+    return t.context_lens.numel(), ctx.pop(), rows.pop()
 
 
 def _run_step(preps: list[tuple[StepCall, Prepared]], i: int) -> None:
@@ -161,14 +190,18 @@ def step_comparison(frames: list[pd.DataFrame], figure: Path, title: str) -> pd.
     from qsa.workbench.plots import step_stacked_bars
 
     both = pd.concat(frames, ignore_index=True)
+    if "overlap_target" not in both:
+        both["overlap_target"] = 0.0
     steps = both[both["phase"] == "step"].pivot_table(
-        index=["index_format", "kv_format"], columns="kernel", values="us_per_step",
-        sort=False)
+        index=["index_format", "kv_format", "overlap_target"], columns="kernel",
+        values="us_per_step", sort=False)
     cmp = pd.DataFrame({"sum_us": steps[SUM_ROW],
                         "graph_us": steps.get("graph replay", float("nan"))}).reset_index()
     cmp["speedup_sum"] = cmp["sum_us"].iloc[0] / cmp["sum_us"]
     cmp["speedup_graph"] = cmp["graph_us"].iloc[0] / cmp["graph_us"]
     both["index/KV"] = both["index_format"] + "/" + both["kv_format"]
+    if both["overlap_target"].nunique() > 1:
+        both["index/KV"] += " J" + both["overlap_target"].map("{:g}".format)
     calls = both[both["phase"] != "step"]
     step_stacked_bars(calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")"),
                       figure.parent, x="index/KV", stack="call",

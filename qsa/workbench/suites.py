@@ -24,12 +24,13 @@ import yaml
 from qsa.presets import DEFAULT_PRESET, ModelPreset, ShapeError, get_preset
 
 SUITE_DIR = Path(__file__).with_name("suites")
-POINT_AXES = ("op", "batch", "context", "rows", "index_format", "kv_format", "selection")
-STEP_KEYS = ("batch", "context", "mtp", "formats", "phase", "rows")
+POINT_AXES = ("op", "batch", "context", "rows", "index_format", "kv_format", "selection",
+              "overlap", "sharing")
+STEP_KEYS = ("batch", "context", "mtp", "formats", "phase", "rows", "overlap")
 METRICS = ("us", "pct_bandwidth", "achieved_tflops", "us_per_step")
 # What makes two rows of a run the same measurement but for the fields a target's `over` changes.
 IDENTITY = (*POINT_AXES, "record", "kernel", "phase", "mtp", "step_phase",
-            "chunk_rows")
+            "chunk_rows", "overlap_target")
 
 
 class SuiteError(ValueError):
@@ -218,7 +219,8 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
             frames = []
             for df in step_breakdowns(suite.preset, s["batch"], s["context"], s.get("mtp"),
                                       format_pairs(s["formats"]),
-                                      phase=s.get("phase", "decode"), rows=s.get("rows")):
+                                      phase=s.get("phase", "decode"), rows=s.get("rows"),
+                                      overlaps=_listed(s.get("overlap", 0.0))):
                 frames.append(df)
                 for r in df.to_dict("records"):
                     rec = {"record": "step", "suite": suite.name, "preset": suite.preset.name,
@@ -244,13 +246,15 @@ def _figures(suite: Suite, rows: pd.DataFrame,
              step_frames: list[tuple[dict[str, Any], list[pd.DataFrame]]], out: Path) -> None:
     """The run's design-review figures next to its results: the roofline of every point, and
     per step entry its kernels stacked per format pair."""
-    from qsa.workbench.plots import intensity_roofline
+    from qsa.workbench.plots import intensity_roofline, overlap_figures
     from qsa.workbench.step import step_comparison
 
     points = rows[rows["record"] == "point"] if "record" in rows else rows.iloc[0:0]
     if not points.empty and "intensity_flop_per_byte" in points:
         intensity_roofline(points, out, title=f"Suite {suite.name}: every point under the "
                            "device's measured roofs")
+    overlap_figures(points, out, title=f"Suite {suite.name}: sparse GQA per-row and shared "
+                    "against the rows' overlap")
     for s, frames in step_frames:
         prefill = s.get("phase") == "prefill"
         what = f"prefill chunk of {s['rows']} rows" if prefill else "decode step"

@@ -39,8 +39,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import (COUNTS_FROM_ONE, CUDA_ONLY_SWITCHES, SM90_SWITCHES, SWITCH_KEYS,
-                         BlockConfig, ConfigError, get_config, load_table, write_entry)
+from qsa.configs import (COUNTS_FROM_ONE, CUDA_ONLY_SWITCHES, HELD_KEYS, SM90_SWITCHES,
+                         SWITCH_KEYS, BlockConfig, ConfigError, get_config, load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -112,7 +112,8 @@ def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int =
     """Candidates around `base`, the fewest changes first, the base itself first of all, then
     `seeds` (other table entries, `table_seeds`). `arch` ("sm90", "gfx950", ...) decides which
     switches the device can take."""
-    keys = sorted(k for k, v in base.meta.items() if isinstance(v, int) and not isinstance(v, bool))
+    keys = sorted(k for k, v in base.meta.items()
+                  if isinstance(v, int) and not isinstance(v, bool) and k not in HELD_KEYS)
     axes = [_neighbours(k, base.meta[k], backend, arch) for k in keys]
     # The fixed warp counts, and like every size half and double the entry's own: a kernel
     # whose entry runs 16 warps (top-k over long rows) is searched around 16.
@@ -141,15 +142,16 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
          index_format: str = "bf16", kv_format: str = "bf16", device: str | None = None,
          max_candidates: int = 48, samples: int | None = None, write: bool = False,
          progress: bool = True, candidates: list[dict[str, Any]] | None = None,
-         selection: str = "index") -> pd.DataFrame:
+         selection: str = "index", overlap: float = 0.0) -> pd.DataFrame:
     """Time every candidate on one shape (the current entry first, timed twice so the run knows
     its own noise); with `write`, store the result in the table for this arch, format and shape
     bucket: the fastest candidate if it beats the current entry by more than that noise,
     otherwise the current entry, confirmed. `candidates`: changes to the current entry to try
     instead of the derived space (see `with_changes`). `selection`: `random` tunes sparse GQA
-    decode on worst-case selections (see `qsa.workbench.ops.SELECTIONS`)."""
+    decode on worst-case selections (see `qsa.workbench.ops.SELECTIONS`); `overlap` tunes on
+    rows whose selections overlap that much, where sparse GQA takes its shared path."""
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
-                  selection=selection)
+                  selection=selection, overlap=overlap)
     return tune_prepared(prepare(point, device), max_candidates=max_candidates,
                          samples=samples, write=write, progress=progress, candidates=candidates,
                          device=device)
