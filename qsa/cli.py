@@ -231,8 +231,8 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
           selection: str = typer.Option("index", help="sparse GQA: token selections from the "
                                         "index path, or random (no index path)"),
           overlap: str = typer.Option("0", help=OVERLAP_HELP),
-          sharing: str = typer.Option("auto", help="sparse GQA: auto (per call, from the "
-                                      "measured union), per-row or shared"),
+          sharing: str = typer.Option("auto", help="sparse GQA, comma-separated: auto (per "
+                                      "call, from the measured union), per-row, shared"),
           trace: Optional[Path] = typer.Option(None, help="sparse GQA: replay this selection "
                                                "trace's requests and selections (docs/traces.md); "
                                                "replaces --batch, --context, --rows"),
@@ -271,15 +271,16 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
                  [max(t.rows_per_request)])
         selection = "trace"
     grid = list(itertools.product(_strs(op), *shape, _strs(index_format), _strs(kv_format),
-                                  _overlaps(overlap)))
+                                  _overlaps(overlap), _strs(sharing)))
     failed = 0
     with start_run("bench", root=out, extra={"env": envd, "grid": len(grid)}) as run:
-        for o, b, c, r, fi, fk, ov in tqdm(grid, desc="bench", unit="pt"):
-            what = f"{o} b{b} c{c} r{r} {fi}/{fk} overlap {ov:g}"
+        for o, b, c, r, fi, fk, ov, sh in tqdm(grid, desc="bench", unit="pt"):
+            what = f"{o} b{b} c{c} r{r} {fi}/{fk} overlap {ov:g}" + (
+                f" {sh}" if sh != "auto" else "")
             try:
                 rec = measure(o, preset=preset, batch=b, context=c, rows=r, index_format=fi,
                               kv_format=fk, env=envd, selection=selection, overlap=ov,
-                              sharing=sharing, trace=None if trace is None else str(trace),
+                              sharing=sh, trace=None if trace is None else str(trace),
                               trace_layer=trace_layer)
             except (VerificationError, ValueError, RuntimeError) as e:
                 failed += 1

@@ -632,3 +632,32 @@ def test_gpu_fp8_error_against_bf16() -> None:
     rel = float((o8 - o16).norm() / o16.norm())
     print(f"\nFP8 vs BF16 sparse GQA on the GPU: relative error {rel:.4f}")
     assert math.isfinite(rel) and rel <= 2.0 ** -3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [0.0, 0.9])
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_shared_path_table_entries(kv_format: str, prefill: bool, overlap: float) -> None:
+    """The shared path with this device's own table entries (bf16-shared / fp8-shared), on
+    ragged batches whose rows overlap or not, shuffled pages, a row without ids and blocks
+    that straddle requests: the reference's output, poisoned output fully written, also when
+    captured in a CUDA graph (union kernels included) and replayed."""
+    p = get_preset()
+    shape = GPU_PREFILL if prefill else GPU_DECODE
+    case = make_case(CaseSpec(p, shape[0], shape[1], kv_format=kv_format, seed=5,
+                              overlap=overlap), DEVICE)
+    scores = score_reference(case.cache, case.batch, case.q_index, p, "bf16")
+    ids = topk_expand_reference(scores, case.batch, p)
+    ids[1] = -1
+    ref = _reference(case, ids, kv_format)
+    fn = sparse_gqa_prefill if prefill else sparse_gqa_decode
+    torch.testing.assert_close(_run(fn, case, ids, kv_format, shared=True), ref, **_tol(ref))
+    q, cache = surrogate(case.q), surrogate_cache(case.cache)
+    out = torch.empty(tuple(case.q.shape), dtype=OUT_DTYPE, device=DEVICE)
+
+    def call() -> None:
+        fn(q, cache, case.batch, ids, p, kv_format, out=out, shared=True, check=False)
+
+    replay_captured(call, out)
+    torch.testing.assert_close(out.float(), ref, **_tol(ref))
