@@ -525,7 +525,7 @@ def offload_check(file: Optional[Path] = typer.Argument(
                   ) -> None:
     """Round trip: store pages to host memory, scramble the blocks, restore elsewhere, compare
     bytes. With FILE: check a page file's format, every page digest and its manifest."""
-    from qsa.arena.offload import OffloadError, offload_roundtrip_check
+    from qsa.arena import OffloadError, offload_roundtrip_check
 
     if file is not None:
         from qsa.arena import CacheFormats, PageLayout
