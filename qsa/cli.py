@@ -599,8 +599,9 @@ def offload_check(file: Optional[Path] = typer.Argument(
                       None, help="round trip: also write the stored set to this page file")
                   ) -> None:
     """Round trip: store pages to host memory, scramble the blocks, restore elsewhere, compare
-    bytes. With FILE: check a page file's format, every page digest and its manifest."""
-    from qsa.arena.offload import OffloadError, offload_roundtrip_check
+    bytes. With FILE: check a page file's format, every page digest and its manifest; a file
+    that can not be read or is refused is one line on stderr naming it and why, exit 2."""
+    from qsa.arena import OffloadError, offload_roundtrip_check
 
     if file is not None:
         from qsa.arena import CacheFormats, PageLayout
@@ -610,9 +611,9 @@ def offload_check(file: Optional[Path] = typer.Argument(
                   if expect_layout else None)
         try:
             r = verify_page_file(file, layout)
-        except (OffloadError, OSError) as e:
-            _problem(f"refused: {e}")
-            raise typer.Exit(1)
+        except OffloadError as e:  # every refusal, an unreadable file included, names the file
+            err_console.print(f"[red]refused:[/] {escape(str(e))}", highlight=False)
+            raise typer.Exit(2)
         console.print_json(json.dumps({"ok": True, **r}))
         return
     dev = "cuda" if __import__("torch").cuda.is_available() else "cpu"

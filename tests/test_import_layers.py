@@ -34,6 +34,7 @@ def _qsa_imports(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("a,b", [("qsa.measure.device", "qsa.measure.results"),
-                                 ("qsa.workbench.notebooks", "qsa.workbench.sweep")])
+                                 ("qsa.workbench.notebooks", "qsa.workbench.sweep"),
+                                 ("qsa.arena.offload", "qsa.arena.page_file")])
 def test_no_import_cycle(a, b):
     assert not (b in _qsa_imports(a) and a in _qsa_imports(b)), f"{a} and {b} import each other"

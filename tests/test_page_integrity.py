@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from qsa.arena import (Arena, CacheFormats, DigestError, LayoutMismatchError, ManifestError,
                        PageOffload, TruncatedPagesError)
 from qsa.arena import digest as dg
-from qsa.arena.page_file import (MAGIC, PageFileError, read_page_file, verify_page_file,
-                                 write_page_file)
+from qsa.arena.page_file import (FIXED_BYTES, MAGIC, FilePages, PageFileError, _fixed,
+                                 read_page_file, verify_page_file, write_page_file)
 from qsa.cli import app
 from support import DEVICE
 from test_arena import SMALL
@@ -165,7 +165,10 @@ def test_a_page_file_round_trips_and_verifies(tmp_path):
     head = path.read_bytes()[:8]
     assert head == MAGIC
     back = read_page_file(path)
-    assert torch.equal(back.data, stored.data) and torch.equal(back.digests, stored.digests)
+    assert isinstance(back.data, FilePages)  # read when consumed, never mapped
+    pages = torch.empty(4, stored.page_bytes, dtype=torch.uint8)
+    back.data.read_into(0, pages)
+    assert torch.equal(pages, _pages(stored)) and torch.equal(back.digests, stored.digests)
     assert (back.set_id, back.count, back.manifest, back.source_blocks) == \
         (stored.set_id, stored.count, stored.manifest, stored.source_blocks)
     summary = verify_page_file(path, arena.layout)
@@ -176,20 +179,20 @@ def test_a_page_file_round_trips_and_verifies(tmp_path):
     assert path.read_bytes() == before, "reading a page file modified it"
 
 
-def _fixed(path) -> tuple[bytes, int, int, bytes]:
+def _split(path) -> tuple[bytes, int, int, bytes]:
     raw = path.read_bytes()
     magic, version, length = struct.unpack("<8sII", raw[:16])
     return magic, version, length, raw
 
 
 @pytest.mark.parametrize("damage", ["flip payload", "truncate payload", "extend payload",
-                                    "truncate header", "not a page file", "version 2",
-                                    "header not json", "header field missing", "layout"])
+                                    "truncate header", "not a page file", "version 3",
+                                    "header edited", "header field missing", "layout"])
 def test_a_damaged_page_file_is_refused_by_name(tmp_path, damage):
     arena, off, stored = _stored()
     path = write_page_file(tmp_path / "set.qsapages", stored)
-    magic, version, length, raw = _fixed(path)
-    head = json.loads(raw[16:16 + length])
+    magic, version, length, raw = _split(path)
+    head = json.loads(raw[FIXED_BYTES:FIXED_BYTES + length])
     layout = arena.layout
     if damage == "flip payload":
         at = head["payload_offset"] + 2 * stored.page_bytes + 100
@@ -202,21 +205,21 @@ def test_a_damaged_page_file_is_refused_by_name(tmp_path, damage):
         raw = raw + b"\0" * 8
         error, message = TruncatedPagesError, "oversized"
     elif damage == "truncate header":
-        raw = raw[:16 + length // 2]
+        raw = raw[:FIXED_BYTES + length // 2]
         error, message = TruncatedPagesError, "truncated: the header says"
     elif damage == "not a page file":
         raw = b"PK\x03\x04" + raw[4:]
         error, message = PageFileError, "not a QSA page file"
-    elif damage == "version 2":
-        raw = struct.pack("<8sII", magic, 2, length) + raw[16:]
-        error, message = PageFileError, "format version 2; this build reads version 1"
-    elif damage == "header not json":
-        raw = raw[:16] + b"}" + raw[17:]
-        error, message = PageFileError, "the header does not parse"
-    elif damage == "header field missing":
+    elif damage == "version 3":
+        raw = struct.pack("<8sII", magic, 3, length) + raw[16:]
+        error, message = PageFileError, "format version 3; this build reads version 2"
+    elif damage == "header edited":
+        raw = raw[:FIXED_BYTES] + b"}" + raw[FIXED_BYTES + 1:]
+        error, message = PageFileError, "the header does not match its digest"
+    elif damage == "header field missing":  # with the header's digest made anew
         del head["manifest"]
         body = json.dumps(head).encode().ljust(length)
-        raw = struct.pack("<8sII", magic, version, length) + body + raw[16 + length:]
+        raw = _fixed(body) + body + raw[FIXED_BYTES + length:]
         error, message = PageFileError, r"the header lacks \['manifest'\]"
     else:
         layout = Arena.for_preset(SMALL, 4, CacheFormats("bf16", "fp8")).layout
@@ -226,7 +229,8 @@ def test_a_damaged_page_file_is_refused_by_name(tmp_path, damage):
         verify_page_file(path, layout)
     res = CliRunner().invoke(app, ["offload-check", str(path)])
     if damage != "layout":  # the CLI checks the layout only when asked to
-        assert res.exit_code == 1 and "refused" in res.output
+        assert res.exit_code == 2 and not res.stdout, res.output
+        assert res.stderr.startswith(f"refused: {path}: ") and res.stderr.count("\n") == 1
 
 
 def test_offload_check_cli_saves_and_verifies_a_page_file(tmp_path):
@@ -238,9 +242,9 @@ def test_offload_check_cli_saves_and_verifies_a_page_file(tmp_path):
     assert res.exit_code == 0 and '"ok": true' in res.output and '"pages": 2' in res.output
     res = runner.invoke(app, ["offload-check", str(path), "--expect-layout", "--kv-format",
                               "bf16"])
-    assert res.exit_code == 1 and "layout mismatch" in res.output
+    assert res.exit_code == 2 and "layout mismatch" in res.stderr and not res.stdout
     # both layouts are named in full, on one line (brackets are not taken for markup)
-    assert re.search(r"written under \[[^\]\n]+\], expected \[[^\]\n]+\]", res.output), res.output
+    assert re.search(r"written under \[[^\]\n]+\], expected \[[^\]\n]+\]", res.stderr), res.stderr
 
 
 def test_the_manifest_sees_order_and_membership():

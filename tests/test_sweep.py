@@ -480,3 +480,87 @@ def test_a_runner_that_dies_is_recorded(tmp_path: Path, monkeypatch: pytest.Monk
     assert marker["error"]["ename"] == "RunnerExited"
     assert "code -9" in marker["error"]["evalue"] and "Killed" in marker["error"]["log_tail"]
     assert json.loads((point.directory / sw.MARKER).read_text()) == marker
+
+
+# --- the table holds the spec's points only -----------------------------------------------------
+
+
+def test_a_copied_point_and_points_dropped_from_the_grid_stay_out_of_the_table(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`cp -r points/<p> points/<p>.bak` and a resume: the copy is reported, not counted (it
+    held the same run id, so the table had that point twice). Narrowing the grid leaves the
+    dropped point's folder alone and out of the table; widening it again resumes the point
+    from its folder without measuring it again."""
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path, grid={"value": [1, 2]})
+    first = sw.run_sweep(spec, out, jobs=2, progress=False)
+    points = first.sweep_dir / "points"
+    shutil.copytree(points / "value=1", points / "value=1.bak")
+
+    again = sw.run_sweep(spec, out, jobs=2, progress=False)
+    assert (again.passed, again.skipped) == (0, 2)
+    assert again.left_out == {"value=1.bak": "not a point of the sweep's spec"}
+    assert "NOT IN THE TABLE points/value=1.bak: not a point of the sweep's spec" in str(again)
+    assert sweep_meta(again.sweep_dir)["left_out"] == again.left_out
+    assert "left out of the table: value=1.bak (not a point of the sweep's spec)" in caplog.text
+    for table in (pd.read_parquet(again.results_path), sw.load_sweep(again.sweep_dir)):
+        assert table["sweep_point"].tolist() == ["value=1", "value=2"]
+        assert table["run_id"].is_unique
+
+    write_spec(tmp_path, grid={"value": [1]})  # narrowed
+    narrow = sw.run_sweep(spec, out, jobs=2, progress=False)
+    assert (narrow.total, narrow.skipped) == (1, 1)
+    assert set(narrow.left_out) == {"value=1.bak", "value=2"}
+    assert pd.read_parquet(narrow.results_path)["value"].tolist() == [1]
+    assert sw.load_sweep(narrow.sweep_dir)["value"].tolist() == [1]
+    assert sw.read_marker(points / "value=2")["status"] == "passed"  # kept on disk
+
+    write_spec(tmp_path, grid={"value": [1, 2]})  # widened again
+    wide = sw.run_sweep(spec, out, jobs=2, progress=False)
+    assert (wide.passed, wide.skipped) == (0, 2)
+    assert sorted(pd.read_parquet(wide.results_path)["value"]) == [1, 2]
+
+
+def test_a_spec_point_whose_marker_is_for_other_parameters_is_left_out(tmp_path: Path) -> None:
+    spec = sw.load_spec(write_spec(tmp_path, grid={"value": [1, 2]}))
+    one, two = sw.expand_points(spec, tmp_path)
+    passed_point(one, "v1")
+    passed_point(two, "v1")
+    other = sw.load_spec(write_spec(tmp_path, grid={"value": [1, 2]},
+                                    parameters={"delay_s": 0.5}))
+    _, moved = sw.expand_points(other, tmp_path)  # same folder name, other identity
+    folders, left_out = sw.table_points(tmp_path, [one, moved])
+    assert folders == [one.directory]
+    assert "its marker is for other parameters" in left_out[two.name]
+    assert sw.load_sweep(tmp_path, points=[one, moved])["value"].tolist() == [1]
+
+
+def test_a_sweep_recorded_before_point_lists_counts_each_point_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spec = sw.load_spec(write_spec(tmp_path, grid={"value": [1, 2]}))
+    for point in sw.expand_points(spec, tmp_path):
+        passed_point(point, "v1")
+    shutil.copytree(tmp_path / "points" / "value=2", tmp_path / "points" / "value=2.bak")
+    (tmp_path / sw.SWEEP_META).write_text(json.dumps({"status": "finished", "points": 2}))
+    table = sw.load_sweep(tmp_path)
+    assert table["sweep_point"].tolist() == ["value=1", "value=2"]
+    assert "records no points of its spec" in caplog.text
+    assert "value=2.bak (the same point as value=2 (a copy))" in caplog.text
+    # with the spec's points the copy is simply not a point
+    assert sw.table_points(tmp_path, sw.expand_points(spec, tmp_path))[1] == {
+        "value=2.bak": "not a point of the sweep's spec"}
+
+
+def test_a_grid_value_listed_twice_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(sw.SweepError, match="grid dimension 'value' lists 2 twice: that point "
+                                            "would run and count twice"):
+        sw.load_spec(write_spec(tmp_path, grid={"value": [1, 2, 2]}))
+    assert len(sw.expand_points(sw.load_spec(write_spec(tmp_path, grid={"value": [1, 1.5]})),
+                                tmp_path)) == 2
+
+
+def test_an_empty_table_removes_the_table_of_an_earlier_run(tmp_path: Path) -> None:
+    for name in ("results.parquet", "results.csv"):
+        (tmp_path / name).write_text("stale")
+    assert sw._write_table(pd.DataFrame(), tmp_path) is None
+    assert not (tmp_path / "results.parquet").exists() and not (tmp_path / "results.csv").exists()

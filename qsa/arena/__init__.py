@@ -7,8 +7,8 @@ from qsa.arena.fields import (CacheFormats, FieldSpec, RowSpace, allocate_layer,
                               declare_row_spaces)
 from qsa.arena.offload import (BindingMismatchError, DigestError, LayoutMismatchError,
                                ManifestError, OffloadError, PageOffload, StoredPages,
-                               TruncatedPagesError, offload_roundtrip_check,
-                               verify_layer_binding)
+                               TruncatedPagesError, verify_layer_binding)
+from qsa.arena.roundtrip import offload_roundtrip_check
 
 __all__ = [
     "ALIGNMENT", "Arena", "ArenaError", "BindingMismatchError", "CacheFormats", "DigestError",

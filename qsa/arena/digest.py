@@ -34,7 +34,7 @@ from qsa.reference.page_digest import (C1, C2, GOLDEN, MASK64, SEED, content_sum
                                        word_keys)
 
 __all__ = ["MASK64", "PartsBuffer", "PendingSums", "SetKeys", "as_int64", "as_uint64", "bind",
-           "content_parts", "content_sums", "content_sums_reference", "expected_sums",
+           "bytes_word", "content_parts", "content_sums", "content_sums_reference", "expected_sums",
            "fmix64_array", "fold", "host_sums", "layout_word", "manifest_digest", "new_set_id",
            "page_digests", "parts_per_page", "word_keys"]
 
@@ -252,10 +252,16 @@ def _mix_keys_ints(n: int, tag: int) -> tuple[int, ...]:
     return tuple(_mix_keys(n, tag).tolist())
 
 
+def bytes_word(data: bytes) -> int:
+    """64 bits standing for a byte string (BLAKE2b): a layout digest in the folds, a page
+    file's header."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
 @functools.lru_cache(maxsize=64)
 def layout_word(layout_digest: str) -> int:
     """64 bits standing for a layout digest (any string) in the folds."""
-    return int.from_bytes(hashlib.blake2b(layout_digest.encode(), digest_size=8).digest(), "big")
+    return bytes_word(layout_digest.encode())
 
 
 def new_set_id() -> int:

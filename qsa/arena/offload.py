@@ -15,6 +15,13 @@ the set (count, digests, data size), the block request, every page's digest on t
 staging copy, then the manifest. A dropped, duplicated, swapped, truncated or foreign page and
 any bit flip are refused with the page and the reason; a refused restore changes nothing.
 
+Reads: a restore reads every stored byte once, into memory of its own (the device copy on a GPU,
+a fresh host buffer on the CPU), digests that copy and writes the arena from it, never from the
+stored set again: bytes that change in the set's memory or file after they were read can not
+reach the arena unchecked. A set on disk is a `PageSource` (`qsa.arena.page_file`), read with
+plain reads of its chunks, never mapped, so a file that shrinks or changes under the restore is
+a refusal naming it, not a signal.
+
 Copies: pages of consecutive block ids form a range that moves with one copy. Scattered pages
 are gathered on the device with one index_select (store) or scattered with one index_copy_
 (restore), on 8-byte words, around a single host copy; `strategy` picks, "auto" uses one copy
@@ -40,10 +47,9 @@ its new set id and folds everything but the page bytes into the digests while it
 from __future__ import annotations
 
 import contextlib
-import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -51,7 +57,6 @@ import torch
 
 from qsa.arena import digest as dg
 from qsa.arena.arena import Arena, ArenaError, PageLayout
-from qsa.presets import DEFAULT_PRESET
 
 Strategy = Literal["auto", "ranges", "gather"]
 T = TypeVar("T")
@@ -82,15 +87,30 @@ class BindingMismatchError(OffloadError):
     """What a layer binds differs from what the offload moves for it."""
 
 
+class PageSource(ABC):
+    """Stored pages that are read, not held (a page file): a restore reads each chunk once
+    into memory of its own, so the source is never trusted to hold still."""
+
+    name: str  # names the source in every refusal of its set
+    nbytes: int  # the size the source had when it was opened
+
+    @abstractmethod
+    def read_into(self, first: int, out: torch.Tensor) -> None:
+        """Pages first..first+k-1 into `out` (uint8 [k, page_bytes], contiguous host memory);
+        raises an OffloadError naming the source when they can not all be read as opened."""
+
+
 @dataclass(frozen=True)
 class StoredPages:
-    """Pages in host memory: flat bytes (page after page), one digest per page, and the
-    manifest of the set (layout, set id, count, source blocks, manifest digest)."""
+    """Pages in host memory or a `PageSource`: flat bytes (page after page), one digest per
+    page, and the manifest of the set (layout, set id, count, source blocks, manifest
+    digest)."""
 
     layout_digest: str
     layout_summary: str
     page_bytes: int
-    data: torch.Tensor  # uint8 [num_pages * page_bytes], host (pinned when CUDA is available)
+    # uint8 [num_pages * page_bytes], host (pinned when CUDA is available), or read from a source
+    data: torch.Tensor | PageSource
     digests: torch.Tensor  # int64 [num_pages] bit patterns of the page digests, host
     source_blocks: tuple[int, ...]
     set_id: int
@@ -104,6 +124,11 @@ class StoredPages:
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
+
+    @property
+    def origin(self) -> str:
+        """The prefix of this set's refusals: its source's name, or nothing for one in memory."""
+        return f"{self.data.name}: " if isinstance(self.data, PageSource) else ""
 
 
 def seal(keys: dg.SetKeys, layout_summary: str, data: torch.Tensor,
@@ -119,33 +144,33 @@ def seal(keys: dg.SetKeys, layout_summary: str, data: torch.Tensor,
 
 def check_set_shape(stored: StoredPages, page_bytes: int) -> None:
     """Count, digests, source blocks and data size agree; raises TruncatedPagesError."""
-    data = stored.data
-    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+    data, at = stored.data, stored.origin
+    if isinstance(data, PageSource):
+        have = data.nbytes
+    elif data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
         raise TruncatedPagesError(f"stored data must be a flat contiguous uint8 tensor, got "
                                   f"{data.dtype} of shape {tuple(data.shape)}")
+    else:
+        have = data.numel()
     if stored.digests.dtype != torch.int64 or stored.digests.dim() != 1:
-        raise TruncatedPagesError("stored digests must be a flat int64 tensor, got "
+        raise TruncatedPagesError(f"{at}stored digests must be a flat int64 tensor, got "
                                   f"{stored.digests.dtype} {tuple(stored.digests.shape)}")
     n = stored.count
     if n <= 0:
-        raise TruncatedPagesError("truncated: the stored set has no pages")
+        raise TruncatedPagesError(f"{at}truncated: the stored set has no pages")
     if stored.digests.numel() != n:
-        raise TruncatedPagesError(f"the manifest lists {n} pages but {stored.digests.numel()} "
-                                  "page digests are present: pages were dropped or added")
+        raise TruncatedPagesError(f"{at}the manifest lists {n} pages but "
+                                  f"{stored.digests.numel()} page digests are present: pages "
+                                  "were dropped or added")
     if len(stored.source_blocks) != n:
-        raise TruncatedPagesError(f"the manifest lists {n} pages but {len(stored.source_blocks)}"
-                                  " source blocks: pages were dropped or added")
+        raise TruncatedPagesError(f"{at}the manifest lists {n} pages but "
+                                  f"{len(stored.source_blocks)} source blocks: pages were "
+                                  "dropped or added")
     want = n * page_bytes
-    if data.numel() != want:
-        what = "truncated" if data.numel() < want else "oversized"
-        raise TruncatedPagesError(f"{what}: {n} pages of {page_bytes} bytes need {want} bytes, "
-                                  f"the stored data has {data.numel()}")
-
-
-def check_digests(stored: StoredPages, pages: torch.Tensor) -> None:
-    """Every page of `pages` ([count, page_bytes] uint8, any device: the bytes about to be
-    restored) against its digest, then the manifest; see `check_sums`."""
-    check_sums(stored, dg.host_sums(pages))
+    if have != want:
+        what = "truncated" if have < want else "oversized"
+        raise TruncatedPagesError(f"{at}{what}: {n} pages of {page_bytes} bytes need {want} "
+                                  f"bytes, the stored data has {have}")
 
 
 def manifest_holds(stored: StoredPages) -> bool:
@@ -181,13 +206,13 @@ def check_sums(stored: StoredPages, sums: np.ndarray, manifest_ok: bool | None =
                    "digests are not this set's")
         else:
             why = "its bytes changed, or it belongs to another set"
-        raise DigestError(f"digest mismatch in {len(bad)} of {n} pages (first: page {i}, stored "
-                          f"from block {stored.source_blocks[i]}): {why}; refusing to decode "
-                          "the set")
+        raise DigestError(f"{stored.origin}digest mismatch in {len(bad)} of {n} pages (first: "
+                          f"page {i}, stored from block {stored.source_blocks[i]}): {why}; "
+                          "refusing to decode the set")
     if not (manifest_holds(stored) if manifest_ok is None else manifest_ok):
-        raise ManifestError(f"manifest mismatch: the set of {n} pages (id {stored.set_id:016x}) "
-                            "is not the one stored (its id, page size, digests or source "
-                            "blocks were changed); refusing to decode it")
+        raise ManifestError(f"{stored.origin}manifest mismatch: the set of {n} pages (id "
+                            f"{stored.set_id:016x}) is not the one stored (its id, page size, "
+                            "digests or source blocks were changed); refusing to decode it")
 
 
 def _run_starts(ids: np.ndarray) -> list[int]:
@@ -333,8 +358,9 @@ class PageOffload:
         """Layout, then the set's shape; raises LayoutMismatchError or TruncatedPagesError."""
         if stored.layout_digest != self.layout.digest:
             raise LayoutMismatchError(
-                f"layout mismatch: pages were stored under [{stored.layout_summary}] but this "
-                f"arena is [{self.layout.summary()}]; refusing to decode them")
+                f"{stored.origin}layout mismatch: pages were stored under "
+                f"[{stored.layout_summary}] but this arena is [{self.layout.summary()}]; "
+                "refusing to decode them")
         check_set_shape(stored, self.layout.page_bytes)
 
     def restore(self, stored: StoredPages, blocks: Iterable[int] | torch.Tensor | None = None,
@@ -351,7 +377,7 @@ class PageOffload:
                  strategy: Strategy | None) -> list[int]:
         strategy = _check_strategy(self.strategy if strategy is None else strategy)
         self.check_stored(stored)
-        n, p = stored.num_pages, self.layout.page_bytes
+        n = stored.num_pages
         gated = self.arena.device.type == "cuda" and len(copy_chunks(n)) > 1
 
         def plan() -> tuple[np.ndarray, list[tuple[int, int, int]] | None, bool, np.ndarray,
@@ -376,8 +402,7 @@ class PageOffload:
             rows[0], rows[1], rows[2:] = want.view(np.int64), ids, -1
             return ids, None, ok, want, order
 
-        staged, pending, (ids, runs, manifest_ok, want, order) = self._stage(
-            stored.data.view(n, p), plan)
+        staged, pending, (ids, runs, manifest_ok, want, order) = self._stage(stored, plan)
         if order is not None and manifest_ok:
             return self._write_gated(stored, staged, pending, ids, want, order)
         sums = pending.result()
@@ -420,46 +445,60 @@ class PageOffload:
             check_sums(stored, sums.copy(), True)  # raises, naming the page and the reason
         return self.arena.claim_free(ids)
 
-    def _stage(self, data: torch.Tensor,
+    def _stage(self, stored: StoredPages,
                between: Callable[[], T]) -> tuple[torch.Tensor, dg.PendingSums, T]:
-        """Stored pages [n, page_bytes] on the arena's device, their content sums on the way
-        back to the host, and what `between` returned. On a GPU the host copy goes in chunks,
-        each digested on a second stream as soon as it has landed, so of the digest only the
-        last chunk's share follows the copy; `between` runs once half the chunks are issued
-        (with one chunk queued, the copy engine ran dry behind the host's work in a profile on
-        the H200), so the host's own work hides behind their copy. A set of one chunk is
-        digested on the current stream behind its copy, where it would run anyway, without
-        the stream calls."""
-        dev = self.arena.device
+        """The stored pages [n, page_bytes] read once into memory of the restore's own on the
+        arena's device (what is digested and written: a change of the set after its read can
+        not reach the arena), their content sums on the way back to the host, and what
+        `between` returned. On a GPU the host copy goes in chunks, each digested on a second
+        stream as soon as it has landed, so of the digest only the last chunk's share follows
+        the copy; `between` runs once half the chunks are issued (with one chunk queued, the
+        copy engine ran dry behind the host's work in a profile on the H200), so the host's
+        own work hides behind their copy. A set of one chunk is digested on the current stream
+        behind its copy, where it would run anyway, without the stream calls. A `PageSource`'s
+        chunks are read into a pinned buffer first, each just before its copy."""
+        n, p, dev, data = stored.count, self.layout.page_bytes, self.arena.device, stored.data
+        source = data if isinstance(data, PageSource) else None
         if dev.type != "cuda":
-            staged = data.to(dev)
-            pending = dg.PendingSums(data.shape[0], data.shape[1], dev)
+            staged = torch.empty((n, p), dtype=torch.uint8)
+            if source is None:
+                staged.copy_(data.view(n, p))
+            else:
+                source.read_into(0, staged)
+            pending = dg.PendingSums(n, p, dev)
             pending.add(staged, 0)
             return staged, pending.close(), between()
-        chunks = copy_chunks(data.shape[0])
-        staged = torch.empty(data.shape, dtype=torch.uint8, device=dev)
-        first = slice(*chunks[0])
-        staged[first].copy_(data[first], non_blocking=True)  # first: the rest is host work
+        host = data.view(n, p) if source is None else torch.empty(
+            (n, p), dtype=torch.uint8, pin_memory=True)
+
+        def copy(a: int, b: int) -> None:
+            if source is not None:
+                source.read_into(a, host[a:b])
+            staged[a:b].copy_(host[a:b], non_blocking=True)
+
+        chunks = copy_chunks(n)
+        staged = torch.empty((n, p), dtype=torch.uint8, device=dev)
+        copy(*chunks[0])  # first: the rest is host work
         main, side = self._streams()
         beside = len(chunks) > 1  # digest on the second stream
         on_digests = torch.cuda.stream(side) if beside else contextlib.nullcontext()
-        pending = dg.PendingSums(data.shape[0], data.shape[1], dev)  # a pinned allocation
+        pending = dg.PendingSums(n, p, dev)  # a pinned allocation
         planned = None
-        for i, (a, b) in enumerate(chunks):
-            if i:
-                staged[a:b].copy_(data[a:b], non_blocking=True)
-            if beside:
-                side.wait_event(main.record_event())
-            with on_digests:
-                pending.add(staged[a:b], a)
-            if i == (len(chunks) - 1) // 2:  # half the copy queued: the host work hides in it
-                try:
+        try:
+            for i, (a, b) in enumerate(chunks):
+                if i:
+                    copy(a, b)
+                if beside:
+                    side.wait_event(main.record_event())
+                with on_digests:
+                    pending.add(staged[a:b], a)
+                if i == (len(chunks) - 1) // 2:  # half the copy queued: the host work hides in it
                     planned = between()
-                except BaseException:
-                    # the digest writes pinned memory that is freed with `pending`: let it
-                    # finish before the refusal propagates
-                    (side if beside else main).synchronize()
-                    raise
+        except BaseException:
+            # a refusal of the host's share or of the source's read: the digests write pinned
+            # memory that is freed with `pending`, so let them finish before it propagates
+            (side if beside else main).synchronize()
+            raise
         with on_digests:
             pending.close()
         if beside:
@@ -559,59 +598,3 @@ def verify_layer_binding(offload: PageOffload, space: str, row: int,
             raise BindingMismatchError(
                 f"{where}.{name}: bound block stride {t.stride(0) * el} B / {t[0].numel() * el} "
                 f"B per block, the offload moves {seg.nbytes} B per page of {p} B")
-
-
-def offload_roundtrip_check(device: torch.device | str, *,
-                            preset: str = DEFAULT_PRESET, kv: str = "fp8",
-                            index: str = "fp8", pages: int = 64, seed: int = 0,
-                            save: str | Path | None = None) -> dict[str, Any]:
-    """CLI piece: store `pages` pages of random bytes, scramble their blocks, restore them into
-    other blocks, compare every byte; report the store and restore rates of the timed round
-    (one round after a warm-up, so a functional check, not a benchmark). `save`: also write
-    the stored set to that page file."""
-    from qsa.arena.fields import CacheFormats
-    from qsa.measure.device import detect_device
-    from qsa.presets import get_preset
-
-    dev = torch.device(device)
-    fp8 = detect_device(dev.index or 0).fp8_dtype if dev.type == "cuda" else None
-    layout = PageLayout.for_preset(get_preset(preset),
-                                   CacheFormats(kv, index, fp8 or torch.float8_e4m3fn))
-    arena = Arena(layout, 2 * pages, dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, generator=gen,
-                                     dtype=torch.uint8, device=dev))
-    off = PageOffload(arena)
-    src = arena.allocate(pages)
-    arena.free(off.restore(off.store(src)))  # warm-up: allocators, pinned-memory cache
-    original = arena.pages[src].clone()
-    t0 = _now(dev)
-    stored = off.store(src)
-    t1 = _now(dev)
-    arena.pages[src] = torch.randint(0, 256, original.shape, generator=gen, dtype=torch.uint8,
-                                     device=dev)
-    t2 = _now(dev)
-    dst = off.restore(stored)
-    t3 = _now(dev)
-    same = arena.pages[dst].eq(original).all(dim=1)
-    nbytes = stored.nbytes
-    if save is not None:
-        from qsa.arena.page_file import write_page_file
-
-        write_page_file(save, stored)
-    return {
-        "ok": bool(same.all()) and set(dst).isdisjoint(src),
-        "device": str(dev), "preset": preset, "kv": kv, "index": index,
-        "layout_digest": layout.digest, "page_bytes": layout.page_bytes, "pages": pages,
-        "bytes": nbytes, "source_blocks": src, "restored_blocks": dst,
-        "mismatched_pages": int((~same).sum()), "pinned": bool(stored.data.is_pinned()),
-        "store_s": t1 - t0, "restore_s": t3 - t2,
-        "store_gbps": nbytes / (t1 - t0) / 1e9, "restore_gbps": nbytes / (t3 - t2) / 1e9,
-        "saved": None if save is None else str(save),
-    }
-
-
-def _now(dev: torch.device) -> float:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter()

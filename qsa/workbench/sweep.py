@@ -17,10 +17,21 @@ Spec (see sweeps/*.yaml)::
       notebook: notebooks/design_review.py
 
 Layout: `<out_root>/<device slug>/sweeps/<name>/` holds `sweep.json` (spec, code version,
-status, summary), `sweep.lock`, `points/<param=value__...>/` per point (params.json, the executed
-notebook.ipynb, runner.log, results/ in the results-store layout, manifest.json and point.json),
-the aggregated `results.parquet`/`results.csv` of all passed points, and `report/` (executed
-report notebook and figures).
+status, summary, and the spec's points with their identities), `sweep.lock`,
+`points/<param=value__...>/` per point (params.json, the executed notebook.ipynb, runner.log,
+results/ in the results-store layout, manifest.json and point.json), the aggregated
+`results.parquet`/`results.csv` of the spec's passed points, and `report/` (executed report
+notebook and figures).
+
+The table: built from the points of the spec only, each at most once (a spec can not list a
+grid value twice, and a point is looked up by its one folder name), from its folder when the
+folder's marker is for that point's parameters. Any other folder under points/ - a copy such as
+`points/<point>.bak`, or a point dropped from a narrowed grid - is left out of the table and
+reported (a warning, `left_out` in sweep.json, a line of the summary); nothing deletes it, so a
+point dropped from the grid and added back later resumes from its folder like any other.
+`load_sweep` takes the spec's points from the last run's sweep.json; for a sweep.json written
+before runs recorded them, each recorded point identity counts once (the first folder by name
+holding it; the others are reported as copies), and a dropped point can not be told apart there.
 
 One writer per sweep folder: a run holds an exclusive `flock` on `sweep.lock` (which names its
 PID and host) for its whole length, and a second run into the same folder is refused at once
@@ -159,6 +170,12 @@ def load_spec(path: str | Path) -> SweepSpec:
     empty = sorted(k for k, v in grid.items() if not v)
     if empty:
         raise SweepError(f"{path}: grid dimension(s) {empty} have no values")
+    for k, values in grid.items():
+        keys = [json.dumps(_canonical(v), sort_keys=True) for v in values]
+        twice = [v for v, key in zip(values, keys) if keys.count(key) > 1]
+        if twice:
+            raise SweepError(f"{path}: grid dimension {k!r} lists {twice[0]!r} twice: that point "
+                             "would run and count twice")
     params = dict(raw.get("parameters") or {})
     overlap = sorted(set(grid) & set(params))
     if overlap:
@@ -621,24 +638,91 @@ def _run_point_process(point_dir: Path) -> int:
 # --- results of a sweep ------------------------------------------------------------------------
 
 
-def load_sweep(sweep_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
-    """Results of every passed point, through the results store, with a `sweep_point` column.
+def _recorded_points(sweep_dir: Path) -> dict[str, Any] | None:
+    """The spec's points (name -> identity) the last run recorded in sweep.json, or None when
+    it recorded none (written before runs did, missing or unreadable)."""
+    try:
+        meta = json.loads((sweep_dir / SWEEP_META).read_text())
+    except (OSError, ValueError):
+        return None
+    points = meta.get("spec_points") if isinstance(meta, dict) else None
+    return points if isinstance(points, dict) else None
+
+
+def table_points(sweep_dir: str | Path, points: Sequence[SweepPoint] | None = None
+                 ) -> tuple[list[Path], dict[str, str]]:
+    """The point folders the sweep's table is built from, in spec order, and every other
+    folder under points/ with why it is left out (see the module docstring). `points`: the
+    spec's, else those recorded in sweep.json."""
+    sweep_dir = Path(sweep_dir)
+    root = sweep_dir / "points"
+    on_disk = sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    spec = ({p.name: p.identity for p in points} if points is not None
+            else _recorded_points(sweep_dir))
+    folders, left_out = [], {}
+    if spec is None:
+        log.warning("sweep %s: %s records no points of its spec (written before sweeps "
+                    "recorded them?); each recorded point counts once, and points dropped "
+                    "from the grid can not be told apart", sweep_dir, SWEEP_META)
+        first: dict[str, str] = {}
+        for d in on_disk:
+            marker = read_marker(d)
+            if marker is not None and marker.get("status") == "passed":
+                key = json.dumps(_canonical(marker.get("identity")), sort_keys=True)
+                if key in first:
+                    left_out[d.name] = f"the same point as {first[key]} (a copy)"
+                    continue
+                first[key] = d.name
+            folders.append(d)
+        return folders, left_out
+    names = {d.name for d in on_disk}
+    for name in sorted(names - set(spec)):
+        left_out[name] = "not a point of the sweep's spec"
+    for name, identity in spec.items():
+        if name not in names:
+            continue
+        marker = read_marker(root / name)
+        if marker is not None and marker.get("status") == "passed" \
+                and _canonical(marker.get("identity")) != _canonical(identity):
+            left_out[name] = ("its marker is for other parameters than the spec's point (the "
+                              "next run of the sweep measures it again)")
+            continue
+        folders.append(root / name)
+    return folders, left_out
+
+
+def load_sweep(sweep_dir: str | Path, kind: str | None = None,
+               points: Sequence[SweepPoint] | None = None) -> pd.DataFrame:
+    """Results of every passed point of the spec, through the results store, with a
+    `sweep_point` column; `points`: the spec's, else those recorded in sweep.json
+    (`table_points`). Folders that are not points of the spec are left out with a warning.
 
     A point whose marker, manifest or files are damaged is left out with a warning, never
     raised: one bad file must not take the other points' results with it, and its numbers
     must not be shown. Points recorded before sweeps wrote manifests load unverified, with one
     warning per sweep, so existing result folders stay readable.
     """
+    return _load_sweep(Path(sweep_dir), kind, points)[0]
+
+
+def _load_sweep(sweep_dir: Path, kind: str | None, points: Sequence[SweepPoint] | None
+                ) -> tuple[pd.DataFrame, dict[str, str]]:
+    """`load_sweep`, and the folders left out of the table with why."""
     import pandas as pd
 
     from qsa.measure.results import RUN_COLUMNS, load_runs
 
+    folders, left_out = table_points(sweep_dir, points)
+    if left_out:
+        log.warning("sweep %s: %d folder(s) under points/ left out of the table: %s", sweep_dir,
+                    len(left_out), "; ".join(f"{k} ({v})" for k, v in left_out.items()))
     frames, unverified = [], []
-    for point_dir in sorted(p.parent for p in Path(sweep_dir).glob(f"points/*/{MARKER}")):
+    for point_dir in folders:
         marker = read_marker(point_dir)
         if marker is None:
-            log.warning("sweep point %s: %s is unreadable; its results are left out",
-                        point_dir, MARKER)
+            if (point_dir / MARKER).exists():
+                log.warning("sweep point %s: %s is unreadable; its results are left out",
+                            point_dir, MARKER)
             continue
         if marker.get("status") != "passed":
             continue
@@ -661,8 +745,8 @@ def load_sweep(sweep_dir: str | Path, kind: str | None = None) -> pd.DataFrame:
         log.warning("sweep %s: %d passed point(s) predate file digests and are loaded "
                     "unverified: %s", sweep_dir, len(unverified), ", ".join(unverified))
     if not frames:
-        return pd.DataFrame(columns=[*RUN_COLUMNS, "sweep_point"])
-    return pd.concat(frames, ignore_index=True)
+        return pd.DataFrame(columns=[*RUN_COLUMNS, "sweep_point"]), left_out
+    return pd.concat(frames, ignore_index=True), left_out
 
 
 def _write_table(df: pd.DataFrame, sweep_dir: Path) -> Path | None:
@@ -670,13 +754,16 @@ def _write_table(df: pd.DataFrame, sweep_dir: Path) -> Path | None:
 
     from qsa.measure.files import atomic_write_bytes
 
-    if df.empty:
+    if df.empty:  # a table of an earlier run (other points) must not stand for this one
+        for name in ("results.parquet", "results.csv"):
+            (sweep_dir / name).unlink(missing_ok=True)
         return None
     atomic_write_bytes(sweep_dir / "results.csv", df.to_csv(index=False).encode())
     buf = io.BytesIO()
     try:
         df.to_parquet(buf, index=False)
     except (TypeError, ValueError):  # points of different notebooks may not form one table
+        (sweep_dir / "results.parquet").unlink(missing_ok=True)
         return sweep_dir / "results.csv"
     atomic_write_bytes(sweep_dir / "results.parquet", buf.getvalue())
     return sweep_dir / "results.parquet"
@@ -692,6 +779,7 @@ class SweepSummary:
     skipped: int
     failures: list[dict[str, Any]]
     results_path: Path | None = None
+    left_out: dict[str, str] = field(default_factory=dict)  # folders not in the table, and why
     report_notebook: Path | None = None
     figures_dir: Path | None = None
     report_error: str | None = None
@@ -708,6 +796,8 @@ class SweepSummary:
             lines.append(f"  FAILED {f['point']}: {f['ename']}: {str(f['evalue'])[:300]}")
         if self.results_path:
             lines.append(f"  results table: {self.results_path}")
+        for name, why in self.left_out.items():
+            lines.append(f"  NOT IN THE TABLE points/{name}: {why}")
         if self.report_notebook:
             lines.append(f"  report notebook: {self.report_notebook}")
         if self.figures_dir:
@@ -846,7 +936,7 @@ def run_sweep(spec_path: str | Path, out_root: str | Path = "profiles", jobs: in
                 "code_version": version, "backend": backend, "slots": labels,
                 "started_at": _utc_now(), "status": "running", "pid": os.getpid(),
                 "host": platform.node(), "points": len(points), "rerun_damaged": damaged,
-                "previous_run": previous}
+                "previous_run": previous, "spec_points": {p.name: p.identity for p in points}}
         _write_json(sweep_dir / SWEEP_META, meta)
         execute = (cluster.executor(spec, version) if backend == "ray"
                    else _local_executor(spec, slots, version))
@@ -931,7 +1021,9 @@ def _run_points(spec: SweepSpec, sweep_dir: Path, points: Sequence[SweepPoint],
 
     summary = SweepSummary(spec.name, sweep_dir, len(points), passed, len(failures), skipped,
                            failures)
-    summary.results_path = _write_table(load_sweep(sweep_dir), sweep_dir)
+    table, summary.left_out = _load_sweep(sweep_dir, None, points)
+    summary.results_path = _write_table(table, sweep_dir)
+    meta["left_out"] = summary.left_out
     if spec.report_notebook is not None and summary.results_path is not None:
         _run_report(spec, sweep_dir, summary)
     meta.update(status="finished", finished_at=_utc_now(), report_error=summary.report_error)
