@@ -752,6 +752,31 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     console.print(f"table: {folder / 'compare.csv'}  figure: {fig.paths[0]}")
 
 
+@app.command()
+def report(run_dir: Optional[Path] = typer.Argument(None, help="a stored run: print its tables"),
+           readme: Optional[Path] = typer.Option(None, help="rewrite every results block of "
+                                                 "this file from the run it names"),
+           check: bool = typer.Option(False, help="--readme: change nothing, exit 1 when a "
+                                      "block differs from its run")) -> None:
+    """Markdown tables of a run (points by format, steps, targets), or the README's results
+    blocks regenerated from their runs."""
+    from qsa.workbench.report import run_tables, update_readme
+
+    if (run_dir is None) == (readme is None):
+        raise typer.BadParameter("give a run folder or --readme")
+    if run_dir is not None:
+        _verbatim(run_tables(run_dir))
+        return
+    text, changed = update_readme(readme)
+    if check:
+        if changed:
+            _problem(f"{readme}: results blocks differ from their runs: {', '.join(changed)}")
+            raise typer.Exit(1)
+        return
+    readme.write_text(text)
+    console.print(f"{readme}: {len(changed)} block(s) regenerated")
+
+
 trace_app = typer.Typer(no_args_is_help=True, help="Selection traces: check one, or write a "
                         "synthetic one (docs/traces.md).")
 app.add_typer(trace_app, name="trace")
