@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import nbformat
+    from papermill.exceptions import PapermillExecutionError
 
 DEFAULT_KERNEL = "python3"
 PARAMETERS_TAG = "parameters"
@@ -104,13 +105,14 @@ def check_kernel(kernel_name: str) -> None:
 def execute_notebook(path: str | Path, output_path: str | Path | None,
                      parameters: Mapping[str, Any] | None = None, *,
                      kernel_name: str = DEFAULT_KERNEL, cwd: str | Path | None = None,
-                     timeout_s: float | None = None, log_output: bool = False
-                     ) -> nbformat.NotebookNode:
+                     timeout_s: float | None = None, log_output: bool = False,
+                     progress: bool = False) -> nbformat.NotebookNode:
     """Execute a notebook with papermill and return the executed NotebookNode.
 
     Unknown parameter names are an error here (papermill only warns, so a typo in a sweep spec
     would silently measure the defaults). On a failing cell papermill saves the notebook with
-    the error and raises `PapermillExecutionError` (ename, evalue, cell_index); that propagates.
+    the error and raises `PapermillExecutionError` (ename, evalue, cell_index); that propagates
+    (`cell_error` says it in one line). `progress`: papermill's per-cell progress bar on stderr.
     """
     import papermill
 
@@ -126,4 +128,20 @@ def execute_notebook(path: str | Path, output_path: str | Path | None,
     return papermill.execute_notebook(
         nb, None if output_path is None else str(output_path), parameters=params,
         kernel_name=kernel_name, language="python", cwd=None if cwd is None else str(cwd),
-        progress_bar=False, log_output=log_output, execution_timeout=timeout_s)
+        progress_bar=progress, log_output=log_output, execution_timeout=timeout_s)
+
+
+def cell_error(exc: PapermillExecutionError, executed: str | Path) -> str:
+    """A failing cell's error in one line, with the executed notebook that shows its
+    traceback (papermill's own message repeats the cell's source and the whole traceback)."""
+    evalue = " ".join(str(exc.evalue).split())
+    return (f"cell [{exc.exec_count}] raised {exc.ename}: {evalue} (traceback in the executed "
+            f"notebook {executed})")
+
+
+def results_lines(nb: nbformat.NotebookNode) -> list[str]:
+    """The `results: <run dir>` lines an executed notebook printed (each workbench notebook
+    prints one per run it stores), so a caller can say where its results went."""
+    return [line.strip() for cell in nb.cells if cell.cell_type == "code"
+            for o in cell.get("outputs", []) if o.get("output_type") == "stream"
+            for line in str(o.get("text", "")).splitlines() if line.startswith("results:")]
