@@ -732,6 +732,7 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
     a functional run whose times mean nothing."""
     import torch
 
+    from qsa.workbench.notebook_run import lab_command
     from qsa.workbench.sweep import run_sweep
 
     gpu = torch.cuda.is_available()
@@ -741,6 +742,7 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
                       "This is a functional run; its times mean nothing.[/]")
     summary = run_sweep(spec, out)
     _verbatim(str(summary))  # where the executed notebooks, results and figures are
+    _verbatim(f"open the notebooks in JupyterLab: {lab_command()}")
     raise typer.Exit(0 if summary.ok else 1)
 
 

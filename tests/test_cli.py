@@ -275,3 +275,32 @@ def test_sweep_summary_prints_bracketed_errors_verbatim(monkeypatch: pytest.Monk
     res = CliRunner().invoke(app, ["sweep", str(tmp_path / "spec.yaml")])
     assert res.exit_code == 1
     assert "expected [blocks, 16, 8, 128], got [3]" in res.output, res.output
+
+
+def test_the_main_job_ends_with_the_command_that_opens_the_notebooks(monkeypatch):
+    """`qsa run` installs only [dev]: it prints how to get JupyterLab, or just how to open it
+    where it is installed already."""
+    import importlib.util
+
+    from qsa.workbench import notebook_run, sweep
+
+    class Done:
+        ok = True
+
+        def __str__(self) -> str:
+            return "sweep done"
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out: Done())
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jupyterlab" else find(name, *a))
+    res = runner.invoke(app, ["run"])
+    assert res.exit_code == 0, res.output
+    root = notebook_run.NOTEBOOK_DIR.parent
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("open the notebooks in JupyterLab: ")
+    assert f"pip install -c {root / 'constraints.txt'} -e '{root}[lab]' && " in line
+    assert line.endswith(f"jupyter lab {notebook_run.NOTEBOOK_DIR}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert notebook_run.lab_command().endswith(f"jupyter lab {notebook_run.NOTEBOOK_DIR}")
+    assert "pip install" not in notebook_run.lab_command()

@@ -10,7 +10,9 @@ has qsa installed. The sweep runner and the notebook helpers both build on this 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +30,21 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
 class NotebookError(ValueError):
     """A notebook or its parameters are not usable as given."""
+
+
+def lab_command() -> str:
+    """The one shell command that opens the notebooks in JupyterLab from this Python's
+    environment: installing the `lab` extra first where JupyterLab is missing (the main job's
+    set-up installs only `dev`, which keeps it light and able to run from an offline
+    wheelhouse without JupyterLab's hundred-odd packages)."""
+    root = NOTEBOOK_DIR.parent
+    jupyter = Path(sys.executable).with_name("jupyter")
+    open_lab = f"{shlex.quote(str(jupyter))} lab {shlex.quote(str(NOTEBOOK_DIR))}"
+    if importlib.util.find_spec("jupyterlab") is not None:
+        return open_lab
+    install = (f"{shlex.quote(sys.executable)} -m pip install -c "
+               f"{shlex.quote(str(root / 'constraints.txt'))} -e {shlex.quote(f'{root}[lab]')}")
+    return f"{install} && {open_lab}"
 
 
 def notebook_path(name: str | Path) -> Path:
