@@ -139,6 +139,11 @@ def test_a_panel_without_data_is_left_out(tmp_path: Path) -> None:
     df = df[df.index_format == "bf16"].assign(pct_matrix=0.0)
     axes = data_axes(plots.ceiling_share_chart(df, tmp_path).figure)
     assert [ax.get_ylabel() for ax in axes] == ["% of copy bandwidth"] * 2
+    # only the row-wise op lacks matrix work: its matrix panel alone is left out
+    df.loc[df.op == "score_stacked", "pct_matrix"] = 3.0
+    axes = data_axes(plots.ceiling_share_chart(df, tmp_path).figure)
+    shown = [(ax.get_title() or "", ax.get_ylabel()) for ax in axes if ax.get_visible()]
+    assert len(shown) == 3 and sum(label == "% of matrix rate" for _, label in shown) == 1
 
 
 def test_functional_runs_say_so_and_plot_no_ceiling_share(tmp_path: Path) -> None:

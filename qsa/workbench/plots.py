@@ -407,7 +407,7 @@ def speedup_heatmap(df: pd.DataFrame, out_dir: str | Path, *, variant: str = "op
         ax.set_title(_label(facet, fv))
         ax.grid(False)
     # Powers of two inside the span, and its ends: the bar reaches the largest cell's value.
-    ticks = sorted({-span, span, *(t for t in range(-8, 9) if abs(t) < span - 0.15)})
+    ticks = sorted({-span, span, *(t for t in range(-8, 9) if abs(t) < span - 0.5)})
     bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.85, ticks=ticks,
                        label="speedup (log scale)")
     bar.ax.set_yticklabels([f"{2.0 ** t:.3g}x" for t in ticks])
@@ -427,8 +427,9 @@ def ceiling_share_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "cont
                         caption: str | None = None) -> FigureResult:
     """Percent of the measured copy bandwidth and of the matrix rate per point, against
     `x`: how close each point runs to the device's limits (not a roofline: `intensity_roofline`
-    is that). A panel row with no data (a kernel without matrix work, a functional run) is left
-    out; with none at all, one panel says so.
+    is that). A panel row with no data (kernels without matrix work, a functional run) is left
+    out, and so is one op's panel without data in a row that others fill (the row-wise scorer's
+    matrix rate); with no data at all, one panel says so.
 
     Fractions are of *measured* ceilings (`qsa.measure.device.measure_ceilings`), so 100% is
     "as fast as this device streams / multiplies in practice".
@@ -453,6 +454,9 @@ def ceiling_share_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "cont
         for col_i, fv in enumerate(facets):
             ax = axes[row_i][col_i]
             part = _select(df, facet, fv)
+            if not (vals[part.index].fillna(0) > 0).any():
+                ax.set_visible(False)
+                continue
             for i, sv in enumerate(series_vals):
                 sel = part if series is None else part[part[series] == sv]
                 pts = pd.DataFrame({x: sel[x], "v": vals[sel.index]}).dropna().sort_values(x)
@@ -613,6 +617,8 @@ def step_stacked_bars(df: pd.DataFrame, out_dir: str | Path, *,
     _check_columns(df, *xcols, stack, y)
 
     def labels(frame: pd.DataFrame) -> pd.Series:
+        if len(xcols) == 1:  # the axis label names the column
+            return frame[xcols[0]].astype(str)
         return frame[xcols].apply(lambda r: " · ".join(_label(c, r[c]) for c in xcols), axis=1)
 
     data = df.assign(_x=labels(df))
@@ -896,12 +902,16 @@ def _formats_side_by_side(df: pd.DataFrame, out: Path, caption: str,
             continue
         prefill = (part["step_phase"] == "prefill").any()
         unit = "prefill chunk" if prefill else "decode step"
+        first = part.iloc[0]
+        shape = (f"batch {first['batch']} x {_tokens(first['context'])}"
+                 + (f", chunk {int(first['chunk_rows'])} rows" if prefill else
+                    f", MTP {int(first['mtp'])}" if pd.notna(first.get("mtp")) else ""))
         calls = part[part["phase"] != "step"]
         figs.append(step_stacked_bars(
             calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")"), out,
             x="index/KV", stack="call", unit=unit, name=f"{name}{sfx}", caption=caption,
             totals=part[part["kernel"] == "graph replay"],
-            title=f"Time per {unit} by kernel and format, {part['preset'].iloc[0]}{label}"))
+            title=f"Time per {unit} by kernel and format, {part['preset'].iloc[0]}, {shape}"))
     return figs
 
 
