@@ -34,6 +34,11 @@
 # fresh process (timed alternately with the current entry); otherwise the current entry is
 # written back as confirmed. Interpreter timings are never written.
 #
+# **Interactive, in JupyterLab:** the last section shows one control per config key of the
+# current entry (the values the tuner would search), re-verifies and re-times the chosen
+# config beside the current entry on every change, and writes it back by the same rules
+# (needs the `lab` extra's ipywidgets; papermill runs skip it).
+#
 # The CPU default tunes a tiny shape over a few candidates under the Triton interpreter: a
 # functional check, times mean nothing.
 
@@ -53,6 +58,7 @@ samples = None  # timing samples per candidate; None: the timing module's defaul
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
 results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
+interactive = None  # None: widgets when opened in JupyterLab (never under papermill)
 
 # %%
 import json
@@ -146,3 +152,26 @@ if write_winner:
           kept.as_dict())
 else:
     print("write_winner is False: the table is unchanged")
+
+# %% [markdown]
+# ## Trying configs by hand (JupyterLab)
+# One control per config key of the current entry, over the values the tuner searches. Each
+# change verifies and times the chosen config beside the current entry (the current entry
+# twice, for the run's noise); **write back** applies the tuner's rules: kept only beyond the
+# noise and again in a fresh process, else the current entry is confirmed (GPU only).
+
+# %%
+from qsa.workbench import interactive as tuning_ui
+
+if interactive is None:
+    interactive = tuning_ui.in_jupyterlab()
+if interactive:
+    from qsa.presets import as_preset
+    from qsa.workbench.ops import Point
+
+    session = tuning_ui.start(Point(op, as_preset(preset), **shape, index_format=index_format,
+                                    kv_format=kv_format),
+                              device=None if dev.is_gpu else "cpu", samples=samples)
+    display(tuning_ui.widgets(session))
+else:
+    print("interactive tuning: open this notebook in JupyterLab (the lab extra)")

@@ -40,7 +40,7 @@ import pandas as pd
 
 from qsa.workbench import notebooks as wb
 from qsa.workbench import plots
-from qsa.workbench.compare import compare_runs
+from qsa.workbench.compare import compare_runs, output_folder, write_comparison
 
 results_root = wb.results_root(results_root)
 df, metas = wb.load_results(results_root, sweep_dir, device=device, kinds=kinds,
@@ -96,15 +96,17 @@ for base, part in index.groupby("base"):
 
 # %% [markdown]
 # ## A/B comparison (optional)
-# Point by point on matching shape keys; a point is faster or slower only beyond the measured
-# spread (the timing module's rule: relative difference > the larger relative IQR).
+# Point by point on matching shape keys; a point is faster or slower only when the 95%
+# bootstrap interval of its speedup (ratio of medians, over the stored per-sample times)
+# excludes 1. Written as `qsa compare` writes it: to a folder of its own, never into run B.
 
 # %%
 if ab:
     comparison, differences = compare_runs(ab[0], ab[1])
     print("runs differ in:", differences or "nothing recorded (same env, commit, versions)")
     print(comparison.summary())
-    out = Path(figures_dir or Path(ab[1]) / "figures")
-    out.mkdir(parents=True, exist_ok=True)
-    comparison.table.to_csv(out / "ab_comparison.csv", index=False)
+    out = output_folder(figures_dir, results_root, comparison, ab)
+    write_comparison(comparison, differences, out, *ab)
+    wb.show(plots.comparison_chart(comparison, out))
+    print("comparison:", out)
     display(comparison.table)

@@ -34,14 +34,18 @@ def _problem(text: str) -> None:
     _verbatim(text, "red")
 
 
-_OPTIONS = {"verbose": False}
+_OPTIONS = {"verbose": False, "interpreter": False}
 # Errors a user can cause and fix (a bad value, shape, format, config, file or page set): one
 # line naming the problem, exit 2. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError)
 
 
-KERNEL_COMMANDS = ("bench", "step", "tune", "profile", "sweep", "run", "offload-check",
-                   "trace")
+def _kernels_start() -> None:
+    """Called by the commands that run kernels, as they start: the interpreter note is for
+    runs, not for `--help` pages (click parses a subcommand's `--help` after the callback)."""
+    if _OPTIONS["interpreter"]:
+        logging.getLogger("qsa").info("no GPU: kernels run under the Triton interpreter "
+                                      "(functional only; times mean nothing)")
 
 
 @app.callback()
@@ -58,9 +62,7 @@ def _setup(ctx: typer.Context,
 
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-            if ctx.invoked_subcommand in KERNEL_COMMANDS:
-                logging.getLogger("qsa").info("no GPU: kernels run under the Triton "
-                                              "interpreter (functional only; times mean nothing)")
+            _OPTIONS["interpreter"] = True
 
 
 def main() -> None:
@@ -80,13 +82,26 @@ def main() -> None:
 PRESET_OPT = typer.Option(DEFAULT_PRESET, "--preset", help="Model preset name.")
 
 
+def _cell(v: object) -> str:
+    """A table cell: counts as integers (a column with a gap is float: 16384.0, not
+    1.638e+04), other floats to 4 significant digits."""
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.4g}"
+    return str(v)
+
+
 def _print_frame(df, title: str) -> None:
+    from rich.measure import Measurement
+
     table = Table(title=title)
     for c in df.columns:
         table.add_column(str(c))
     for row in df.itertuples(index=False):
-        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
-    console.print(table)
+        table.add_row(*[_cell(v) for v in row])
+    # Piped or redirected, rich assumes 80 columns and would cut the table: give it its width.
+    out = console if console.is_terminal else Console(width=Measurement.get(
+        console, console.options.update_width(1 << 14), table).maximum)
+    out.print(table)
 
 
 def _draw_figures(directory: Path) -> None:
@@ -252,8 +267,9 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
 
     from tqdm.auto import tqdm
 
+    from qsa.formats import check_index_format, check_kv_format
     from qsa.measure.results import start_run
-    from qsa.workbench.ops import VerificationError, measure
+    from qsa.workbench.ops import Point, VerificationError, measure
 
     if suite is not None:
         _bench_suite(suite, out, verify_only)
@@ -272,6 +288,11 @@ def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: 
         selection = "trace"
     grid = list(itertools.product(_strs(op), *shape, _strs(index_format), _strs(kv_format),
                                   _overlaps(overlap), _strs(sharing)))
+    for o, b, c, r, fi, fk, ov, sh in grid:  # a bad point: refused before a run opens
+        Point(o, p, b, c, r, check_index_format(fi), check_kv_format(fk), selection=selection,
+              overlap=ov, sharing=sh, trace=None if trace is None else str(trace),
+              trace_layer=trace_layer)
+    _kernels_start()
     failed = 0
     with start_run("bench", root=out, extra={"env": envd, "grid": len(grid)}) as run:
         for o, b, c, r, fi, fk, ov, sh in tqdm(grid, desc="bench", unit="pt"):
@@ -305,6 +326,7 @@ def _bench_suite(name: str, out: Path, verify_only: bool = False) -> None:
         s = load_suite(name)
     except (SuiteError, OSError) as e:
         raise typer.BadParameter(str(e), param_hint="--suite") from None
+    _kernels_start()
     console.print(f"suite {s.name}: {len(s.points)} points, {len(s.steps)} steps "
                   f"({s.description})")
 
@@ -393,6 +415,7 @@ def step(preset: str = PRESET_OPT,
                                      f"with MTP {mtp} verifies {mtp + 1}")
     what = (f"prefill chunk of {rows} rows" if phase == "prefill" else "decode step")
     frames = []
+    _kernels_start()
     try:
         for df in step_breakdowns(preset, batch, ctx, mtp, pairs, progress=True, phase=phase,
                                   rows=rows, overlaps=overlaps,
@@ -416,7 +439,9 @@ def step(preset: str = PRESET_OPT,
         if len(frames) > 1:
             from qsa.measure.device import detect_device
 
-            cmp = step_comparison(frames, run.directory / "step_formats.png",
+            # Drawn under figures/, where the run's figures (below) redraw it with the
+            # device, versions and method in the caption.
+            cmp = step_comparison(frames, run.directory / "figures" / "step_formats.png",
                                   f"{preset}: {what}, batch {batch} x {ctx}, MTP {mtp}; "
                                   f"{detect_device().name}, graph replay per kernel, cold L2")
             _print_frame(cmp, "step side by side (speedup against the first pair)")
@@ -494,6 +519,10 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
         raise typer.BadParameter("--candidates: one op's changes; --all derives each space")
     if phase != "decode" and not all_:
         raise typer.BadParameter("--phase: with --all only (one op takes --rows and --batch)")
+    if write and os.environ.get("TRITON_INTERPRET") == "1":  # refused before the search
+        raise ValueError("--write: no GPU, and interpreter timings are never written to a "
+                         "config table; tune without --write here, or with it on a GPU")
+    _kernels_start()
     if batch is None:
         batch = 1 if phase == "prefill" else 8
     if all_:
@@ -616,6 +645,9 @@ def offload_check(file: Optional[Path] = typer.Argument(
             raise typer.Exit(2)
         console.print_json(json.dumps({"ok": True, **r}))
         return
+    if pages < 1:  # the round trip scales it; the user's value is the one to name
+        raise ValueError(f"--pages: must be >= 1, got {pages}")
+    _kernels_start()
     dev = "cuda" if __import__("torch").cuda.is_available() else "cpu"
     r = offload_roundtrip_check(dev, preset=preset, kv=kv_format, index=index_format,
                                 pages=pages, save=save)
@@ -637,6 +669,7 @@ def profile(op: str = typer.Option("score_stacked", help="op to capture"),
     from qsa.workbench.profile import point_from_args, profile_point, run_roctx_steps
 
     point = point_from_args(op, preset, batch, _one_int(context), rows, index_format, kv_format)
+    _kernels_start()
     if profiler == "roctx":  # the child process of a rocprofv3 capture
         run_roctx_steps(point, steps)
         return
@@ -698,8 +731,10 @@ def notebook(name: str = typer.Argument(..., help="a notebook of notebooks/ (e.g
     repository root; unknown parameter names and profile=gpu without a GPU are refused."""
     import yaml
 
-    from qsa.workbench.notebook_run import (NotebookError, execute_notebook, notebook_parameters,
-                                            notebook_path)
+    from papermill.exceptions import PapermillExecutionError
+
+    from qsa.workbench.notebook_run import (NotebookError, cell_error, execute_notebook,
+                                            notebook_parameters, notebook_path, results_lines)
 
     path = notebook_path(name)
     params = {}
@@ -718,7 +753,14 @@ def notebook(name: str = typer.Argument(..., help="a notebook of notebooks/ (e.g
                             "under the Triton interpreter); use the notebook's CPU profile")
     root = Path(__file__).resolve().parents[1]
     target = out or root / "notebooks" / "executed" / f"{path.stem}.ipynb"
-    execute_notebook(path.resolve(), target, params, cwd=root, timeout_s=timeout_s)
+    try:
+        nb = execute_notebook(path.resolve(), target, params, cwd=root, timeout_s=timeout_s,
+                              progress=True)
+    except PapermillExecutionError as e:  # one line; the executed notebook shows the rest
+        _problem(f"{path.name}: {cell_error(e, target)}")
+        raise typer.Exit(1)
+    for line in results_lines(nb):
+        _verbatim(line)
     console.print(f"executed: {target}")
 
 
@@ -729,14 +771,20 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
                 keys: Optional[str] = typer.Option(None, help="columns that identify a point, "
                                                    "comma-separated (default: the shape "
                                                    "columns both have)"),
-                out: Optional[Path] = typer.Option(None, help="folder for the table (CSV) and "
-                                                   "the figure; default: B's folder")) -> None:
-    """A/B of two runs or sweeps, point by point, with a noise-aware verdict (faster, slower,
-    same within noise, incomparable), a summary, a CSV and a figure."""
-    from qsa.workbench.compare import compare_runs
+                out: Optional[Path] = typer.Option(None, help="new folder for the table (CSV), "
+                                                   "compare.json and the figure; default: "
+                                                   "<root>/<device>/compare/<id>, never an "
+                                                   "input's folder"),
+                root: Path = typer.Option(Path("profiles"), help="results root of the default "
+                                          "--out")) -> None:
+    """A/B of two runs or sweeps, point by point, with a verdict from a bootstrap interval of
+    each point's speedup (faster, slower, same within noise, incomparable), a summary, a CSV
+    and a figure."""
+    from qsa.workbench.compare import compare_runs, output_folder, write_comparison
     from qsa.workbench.plots import comparison_chart
 
     cmp, diff = compare_runs(a, b, keys=_strs(keys) if keys else None)
+    folder = output_folder(out, root, cmp, (a, b))  # refused before anything is written
     _verbatim(cmp.summary())
     if diff:
         _verbatim(f"what differs: {json.dumps(diff, default=str)}")
@@ -745,11 +793,9 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
         varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1]
         _print_frame(shown[[*varying, "us_a", "us_b", "speedup", "verdict"]],
                      "points that are not the same within noise")
-    folder = out or b
-    folder.mkdir(parents=True, exist_ok=True)
-    cmp.table.to_csv(folder / "compare.csv", index=False)
+    table = write_comparison(cmp, diff, folder, a, b)
     fig = comparison_chart(cmp, folder)
-    console.print(f"table: {folder / 'compare.csv'}  figure: {fig.paths[0]}")
+    console.print(f"table: {table}  figure: {fig.paths[0]}")
 
 
 @app.command()
@@ -826,6 +872,7 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
     a functional run whose times mean nothing."""
     import torch
 
+    from qsa.workbench.notebook_run import lab_command
     from qsa.workbench.sweep import run_sweep
 
     gpu = torch.cuda.is_available()
@@ -835,6 +882,7 @@ def run(out: Path = typer.Option(Path("profiles"), help="results root")) -> None
                       "This is a functional run; its times mean nothing.[/]")
     summary = run_sweep(spec, out)
     _verbatim(str(summary))  # where the executed notebooks, results and figures are
+    _verbatim(f"open the notebooks in JupyterLab: {lab_command()}")
     raise typer.Exit(0 if summary.ok else 1)
 
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Creates .venv if missing and installs the package into it; re-installs only when
-# pyproject.toml changed. Sourced by scripts/run.sh and scripts/test.sh so each of the
-# README's two commands sets itself up on a fresh machine.
+# pyproject.toml or constraints.txt changed. Sourced by scripts/run.sh and scripts/test.sh so
+# each of the README's two commands sets itself up on a fresh machine.
 #
 # GPU hosts: the venv sees the launching python's packages (its system site-packages, or the
 # environment it belongs to when that python is itself a venv), so the host's own torch/triton
 # builds (CUDA or ROCm) are used as they are and never installed twice. Only when no torch is
 # importable, the CPU-tested torch is installed (QSA_TORCH overrides that pip requirement), and
 # only when no triton is, Triton 3.6 (QSA_TRITON overrides it).
+#
+# The package's dependencies install at the versions of constraints.txt (pip -c: the versions
+# the CPU suite passed with; scripts/constraints.py writes it), so a fresh install does not take
+# whatever is newest that day. It pins neither torch nor triton, and scripts/wheelhouse.sh
+# downloads the same versions, so an offline host installs from its wheelhouse unchanged.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${QSA_VENV:-$root/.venv}"
@@ -36,7 +41,8 @@ fi
 vpy="$venv/bin/python"
 stamp="$venv/.qsa-installed"
 extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh adds cluster (ray) for the Ray sweep tests
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
+constraints="$root/constraints.txt"
+want="$(cat "$root/pyproject.toml" "$constraints" | sha256sum | cut -d' ' -f1) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
     spec="${QSA_TORCH:-torch==2.13.0}"
@@ -63,7 +69,8 @@ sys.exit(not (v >= (70, 1) or (v >= (68, 0) and importlib.util.find_spec("wheel"
     isolation=(--no-build-isolation)
   fi
   echo "[qsa] installing qsa-workbench[$extras] and its dependencies" >&2
-  "$vpy" -m pip install -q ${isolation[@]+"${isolation[@]}"} -e "$root[$extras]"
+  "$vpy" -m pip install -q ${isolation[@]+"${isolation[@]}"} -c "$constraints" \
+    -e "$root[$extras]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

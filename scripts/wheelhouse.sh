@@ -4,6 +4,7 @@
 # cluster (ray), plus the setuptools the editable
 # install builds with) downloaded as wheels for the *target's* Python version and platform.
 # torch and triton are left out by default: GPU hosts bring their own CUDA/ROCm builds.
+# Every other package at the version of constraints.txt, the one scripts/bootstrap.sh installs.
 #
 #   scripts/wheelhouse.sh [--python 3.11] [--platform manylinux_2_28_x86_64] [--out wheelhouse]
 #                         [--extras dev,cluster,lab] [--with-torch] [--list]
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
     --extras) extras="$2"; shift 2 ;;
     --with-torch) with_torch=1; shift ;;
     --list) list_only=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -58,5 +59,5 @@ case "$platform" in
 esac
 mapfile -t req_array <<< "$reqs"
 "$py" -m pip download --dest "$out" --only-binary=:all: --implementation cp \
-  --python-version "$pyver" "${plats[@]}" "${req_array[@]}"
+  --python-version "$pyver" "${plats[@]}" -c "$root/constraints.txt" "${req_array[@]}"
 echo "wheelhouse: $out ($(ls "$out" | wc -l) files) for Python $pyver on $platform" >&2

@@ -91,6 +91,9 @@ def test_notebook_runs_a_py_notebook_with_parameters_and_refuses_typos(tmp_path)
                 "--out", str(out)], env_drop=())
     assert res.returncode == 0, res.stderr[-2000:]
     assert out.is_file() and (load_runs(tmp_path / "store")["value"] == 3).all()
+    run_dir = next((tmp_path / "store").glob("*/*-sweep-fixture-*"))
+    assert f"results: {run_dir}" in res.stdout  # where the results went
+    assert "Executing" in res.stderr  # papermill's per-cell progress
     res = _qsa(["notebook", nb, "-p", "valu=3"], env_drop=())
     assert res.returncode == 2 and "unknown parameters ['valu']" in res.stderr
     if not torch.cuda.is_available():
@@ -104,13 +107,88 @@ def test_compare_two_runs_writes_the_table_and_the_figure(tmp_path):
                                   "--rows", "2", "--out", str(tmp_path / "store")])
         assert res.exit_code == 0, res.output
     a, b = sorted((tmp_path / "store").glob("*/*-bench-*"))
+    inputs = {p: p.stat().st_mtime_ns for run in (a, b) for p in run.rglob("*")}
     res = runner.invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output
     assert "matched on" in res.output and "incomparable 1" in res.output  # interpreter times
     assert (tmp_path / "cmp" / "compare.csv").is_file()
     assert (tmp_path / "cmp" / "compare.png").is_file()
+    res = runner.invoke(app, ["compare", str(a), str(b), "--root", str(tmp_path / "store")])
+    assert res.exit_code == 0, res.output
+    (made,) = (tmp_path / "store").glob("*/compare/*-compare-*")
+    assert {p.name for p in made.iterdir()} >= {"compare.csv", "compare.json", "compare.png"}
+    assert {p: p.stat().st_mtime_ns for run in (a, b) for p in run.rglob("*")} == inputs
     res = _qsa(["compare", str(tmp_path), str(b)])
     assert res.returncode == 2 and "neither a run" in res.stderr
+    res = _qsa(["compare", str(a), str(b), "--out", str(b / "cmp")])
+    assert res.returncode == 2 and "is inside input B" in res.stderr
+    assert len(res.stderr.splitlines()) == 2 and not (b / "cmp").exists()
+
+
+def _one_line_error(res, text: str) -> None:
+    """Exit 2, the error on one line (and the --verbose hint), no traceback."""
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and text in lines[0], lines
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_a_malformed_sweep_spec_names_its_line_and_column(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: x\nnotebook: decode_scoring_sweep\ngrid: {batch: [1, 8}\n")
+    res = _qsa(["sweep", str(spec), "--out", str(tmp_path / "out")])
+    _one_line_error(res, f"{spec}: not valid YAML: line 3, column 20: while parsing a flow")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_tune_write_without_a_gpu_is_refused_before_the_search(tmp_path):
+    res = _qsa(["tune", "score_stacked", "--write", "--out", str(tmp_path)], timeout=60)
+    _one_line_error(res, "--write: no GPU")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--batch", "-1"], "batch: must be >= 1, got -1"),
+    (["--index-format", "int4"], "index format 'int4' is not one of"),
+])
+def test_bench_refuses_a_bad_shape_or_format_before_a_run_opens(tmp_path, args, text):
+    res = _qsa(["bench", "--op", "compress", "--context", "48", "--rows", "2", *args,
+                "--out", str(tmp_path)])
+    _one_line_error(res, text)
+    assert not any(tmp_path.iterdir())
+
+
+def test_offload_check_names_the_page_count_given():
+    _one_line_error(_qsa(["offload-check", "--pages", "-3"]), "--pages: must be >= 1, got -3")
+
+
+def test_help_pages_do_not_announce_the_interpreter():
+    for args in (["--help"], ["bench", "--help"], ["tune", "--help"]):
+        res = _qsa(args)
+        assert res.returncode == 0 and "no GPU" not in res.stderr + res.stdout, args
+
+
+def test_a_failing_notebook_cell_is_one_line_naming_the_executed_notebook(tmp_path):
+    out = tmp_path / "run.ipynb"
+    res = _qsa(["notebook", "tests/fixtures/notebooks/sweep_point.py", "-p", "fail_values=[2]",
+                "-p", "value=2", "-p", f"results_root={tmp_path}", "--out", str(out)],
+               env_drop=())
+    assert res.returncode == 1
+    (line,) = [x for x in res.stdout.splitlines() if "raised" in x]
+    assert "ValueError: deliberate failure at value=2" in line and str(out) in line
+    assert "Traceback" not in res.stdout + res.stderr and out.is_file()
+
+
+def test_piped_tables_are_not_cut_and_counts_print_as_integers():
+    wide = {f"column_{i}": ["a value long enough to need room"] for i in range(4)}
+    code = ("import pandas as pd; from qsa.cli import _print_frame; "
+            f"_print_frame(pd.DataFrame({{**{wide!r}, 'context': [16384.0], 'us': [3.25]}}), 't')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": ""})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("a value long enough to need room") == 4
+    assert "16384" in res.stdout and "1.638e+04" not in res.stdout and "3.25" in res.stdout
 
 
 def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
@@ -197,3 +275,32 @@ def test_sweep_summary_prints_bracketed_errors_verbatim(monkeypatch: pytest.Monk
     res = CliRunner().invoke(app, ["sweep", str(tmp_path / "spec.yaml")])
     assert res.exit_code == 1
     assert "expected [blocks, 16, 8, 128], got [3]" in res.output, res.output
+
+
+def test_the_main_job_ends_with_the_command_that_opens_the_notebooks(monkeypatch):
+    """`qsa run` installs only [dev]: it prints how to get JupyterLab, or just how to open it
+    where it is installed already."""
+    import importlib.util
+
+    from qsa.workbench import notebook_run, sweep
+
+    class Done:
+        ok = True
+
+        def __str__(self) -> str:
+            return "sweep done"
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out: Done())
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jupyterlab" else find(name, *a))
+    res = runner.invoke(app, ["run"])
+    assert res.exit_code == 0, res.output
+    root = notebook_run.NOTEBOOK_DIR.parent
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("open the notebooks in JupyterLab: ")
+    assert f"pip install -c {root / 'constraints.txt'} -e '{root}[lab]' && " in line
+    assert line.endswith(f"jupyter lab {notebook_run.NOTEBOOK_DIR}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert notebook_run.lab_command().endswith(f"jupyter lab {notebook_run.NOTEBOOK_DIR}")
+    assert "pip install" not in notebook_run.lab_command()

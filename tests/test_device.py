@@ -178,17 +178,25 @@ def test_cpu_gets_no_ceilings(tmp_path):
         measure_ceilings(cpu_device())
 
 
-# Datasheet HBM bandwidth (GB/s) of the devices the project measures on (vendor datasheets).
-DATASHEET_GBPS = {"nvidia-h200": 4800.0, "amd-mi355x": 8000.0, "amd-mi300x": 5300.0}
+def test_the_gpus_measured_on_have_datasheet_figures():
+    """The H100 SXM (the card the GPU host lends most) beside the H200: same die, same SMs,
+    L2 and matrix rates, slower HBM3."""
+    h100, h200 = dev.DATASHEETS["nvidia-h100-80gb-hbm3"], dev.DATASHEETS["nvidia-h200"]
+    assert device_slug("nvidia", "NVIDIA H100 80GB HBM3", "sm90") == "nvidia-h100-80gb-hbm3"
+    assert (h100.hbm_gbps, h200.hbm_gbps) == (3350.0, 4800.0)
+    for d in (h100, h200):
+        assert (d.llc_bytes, d.compute_units, d.bf16_tflops, d.fp8_tflops) == (
+            50_000_000, 132, 989.4, 1978.9)
+    assert {"amd-mi355x", "amd-mi300x"} <= set(dev.DATASHEETS)
 
 
 @pytest.mark.gpu
 def test_measured_ceilings_are_plausible():
     d = detect_device()
-    if d.slug not in DATASHEET_GBPS:
+    if d.slug not in dev.DATASHEETS:
         pytest.skip(f"no datasheet bandwidth for {d.slug}")
     c = measure_ceilings(d, samples=10)
-    peak = DATASHEET_GBPS[d.slug]
+    peak = dev.DATASHEETS[d.slug].hbm_gbps
     assert 0.3 * peak <= c.copy_gbps <= peak, c
     assert 0.3 * peak <= c.read_gbps <= peak, c
     assert c.bf16_tflops > 0

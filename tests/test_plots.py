@@ -7,6 +7,7 @@ import json
 from itertools import product
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.collections import PolyCollection
@@ -33,7 +34,8 @@ def decode_table(functional: bool = False) -> pd.DataFrame:
                      "kind": "decode-scoring", "op": op, "preset": "qwen3.8-flash-next",
                      "batch": b, "context": c, "rows": 4, "index_format": fmt,
                      "kv_format": "bf16", "us": us, "p10_us": us * 0.98, "p90_us": us * 1.02,
-                     "iqr_us": us * 0.02, "method": "graph_replay",
+                     "iqr_us": us * 0.02, "samples_us": list(us * np.linspace(0.98, 1.02, 20)),
+                     "method": "graph_replay",
                      "cache_policy": "rotate_150MiB_x3", "functional_only": functional,
                      "verified": True,
                      "pct_bandwidth": None if functional else min(95.0, 10 + b * c / 1e5),
@@ -73,11 +75,14 @@ def test_latency_vs_context_draws_one_line_per_batch_and_op(tmp_path: Path) -> N
         line = next(ln for ln in ax.get_lines() if ln.get_label() == "batch 4, op score_stacked")
         want = df[(df.index_format == fmt) & (df.batch == 4) & (df.op == "score_stacked")]
         assert list(line.get_ydata()) == pytest.approx(want.sort_values("context")["us"].tolist())
-    assert axes[0].get_ylabel() == "latency (µs)"
+    assert axes[0].get_ylabel() == "latency per call"
+    fmt = axes[0].yaxis.get_major_formatter()
+    assert [fmt(v) for v in (3.2, 5000, 12_000, 500_000, 2.5e7)] == [
+        "3.2 µs", "5000 µs", "12 ms", "500 ms", "25 s"]  # ms past 10,000 µs, never "500k µs"
     legend = res.figure.legends[0]
     assert len(legend.get_texts()) == len(BATCHES) * 2
-    assert "device nvidia-h200" in svg and "graph_replay" in svg
-    assert "functional" not in svg.lower()
+    assert "device nvidia-h200" in svg and "timed by graph replay (each call captured" in svg
+    assert "cold cache (inputs rotated" in svg and "functional" not in svg.lower()
 
 
 def test_speedup_heatmap_cells_and_noise_marks(tmp_path: Path) -> None:
@@ -94,6 +99,18 @@ def test_speedup_heatmap_cells_and_noise_marks(tmp_path: Path) -> None:
     assert [t.get_text() for t in axes[0].get_yticklabels()] == ["1", "4", "16"]
     assert axes[0].get_ylabel() == "batch" and axes[0].get_xlabel() == "context (tokens)"
     assert len(res.figure.axes) == len(FORMATS) + 1  # plus the colorbar
+    bar = res.figure.axes[-1]
+    ticks = [t.get_text() for t in bar.get_yticklabels()]
+    assert ticks[-1] == "2x" and ticks[0] == "0.5x"  # the bar reaches the largest cell
+
+
+def test_the_speedup_colour_bar_is_labelled_at_its_end(tmp_path: Path) -> None:
+    df = decode_table()
+    df.loc[df.op == "score_stacked", "us"] /= 1.5  # 3x at batch > 1: between powers of two
+    df["samples_us"] = [list(u * np.linspace(0.98, 1.02, 20)) for u in df["us"]]
+    res = plots.speedup_heatmap(df, tmp_path)
+    ticks = [t.get_text() for t in res.figure.axes[-1].get_yticklabels()]
+    assert ticks[-1] == "3x" and "2x" in ticks
 
 
 def test_speedup_heatmap_needs_both_variants(tmp_path: Path) -> None:
@@ -102,11 +119,11 @@ def test_speedup_heatmap_needs_both_variants(tmp_path: Path) -> None:
         plots.speedup_heatmap(df[df.op == "score_rowwise"], tmp_path)
 
 
-def test_roofline_chart_plots_fractions_per_series(tmp_path: Path) -> None:
+def test_ceiling_share_chart_plots_fractions_per_series(tmp_path: Path) -> None:
     df = decode_table()
     df = df[df.index_format == "bf16"]
-    res = plots.roofline_chart(df, tmp_path, title="Roofline test")
-    check_files(res, "Roofline test")
+    res = plots.ceiling_share_chart(df, tmp_path, title="Limits test")
+    check_files(res, "Limits test")
     axes = data_axes(res.figure)
     assert len(axes) == 4  # (bandwidth, matrix) x two ops
     bw, mx = axes[0], axes[2]
@@ -116,13 +133,27 @@ def test_roofline_chart_plots_fractions_per_series(tmp_path: Path) -> None:
     assert max(bw.get_lines()[-1].get_ydata()) == 100
 
 
-def test_functional_runs_say_so_and_plot_no_roofline(tmp_path: Path) -> None:
+def test_a_panel_without_data_is_left_out(tmp_path: Path) -> None:
+    """The row-wise scorer does no matrix work: no all-zero "% of matrix rate" row."""
+    df = decode_table()
+    df = df[df.index_format == "bf16"].assign(pct_matrix=0.0)
+    axes = data_axes(plots.ceiling_share_chart(df, tmp_path).figure)
+    assert [ax.get_ylabel() for ax in axes] == ["% of copy bandwidth"] * 2
+    # only the row-wise op lacks matrix work: its matrix panel alone is left out
+    df.loc[df.op == "score_stacked", "pct_matrix"] = 3.0
+    axes = data_axes(plots.ceiling_share_chart(df, tmp_path).figure)
+    shown = [(ax.get_title() or "", ax.get_ylabel()) for ax in axes if ax.get_visible()]
+    assert len(shown) == 3 and sum(label == "% of matrix rate" for _, label in shown) == 1
+
+
+def test_functional_runs_say_so_and_plot_no_ceiling_share(tmp_path: Path) -> None:
     df = decode_table(functional=True)
-    res = plots.roofline_chart(df, tmp_path, name="roof")
+    res = plots.ceiling_share_chart(df, tmp_path, name="roof")
     svg = check_files(res, "functional run - times mean nothing")
     assert "FUNCTIONAL RUN - TIMES MEAN NOTHING" in svg
+    assert "cold cache" not in svg  # the interpreter has no cache to be cold
     ax = data_axes(res.figure)[0]
-    assert not ax.get_lines() and "none" in ax.texts[0].get_text()
+    assert not ax.get_lines() and "no share" in ax.texts[0].get_text()
     lat = plots.latency_vs_context(df, tmp_path, name="lat")
     assert "[functional run - times mean nothing]" in res.figure._suptitle.get_text()
     assert "FUNCTIONAL RUN" in lat.paths[1].read_text()
@@ -140,13 +171,17 @@ def test_step_stacked_bars_stack_each_kernel(tmp_path: Path) -> None:
     check_files(res, "Step test")
     ax = data_axes(res.figure)[0]
     bars = [p for p in ax.patches if isinstance(p, Rectangle)]
-    assert len(bars) == 2 * len(kernels)
-    assert [t.get_text() for t in ax.texts] == ["100", "800"]  # totals on top
+    assert len(bars) == 2 * len(kernels) + 2  # and a graph-replay bar beside each stack
+    # the sum on each stack and the replay on its own bar: no marker across the sum's label
+    assert [t.get_text() for t in ax.texts] == ["100 µs", "800 µs", "90 µs", "720 µs"]
+    replay = bars[-2:]
+    assert [b.get_height() for b in replay] == [90.0, 720.0]
+    assert all(b.get_x() > 0.3 + i for i, b in enumerate(replay))
     assert bars[0].get_height() == 50.0  # the largest kernel at the bottom
-    assert ax.get_ylabel() == "µs per decode step"
+    assert ax.get_ylabel() == "time per decode step (stack: sum of kernels)"
     labels = [t.get_text() for t in res.figure.legends[0].get_texts()]
     assert labels == ["topk_expand", "score_stacked", "sparse_gqa_decode",  # top to bottom
-                      "graph replay of the whole step"]
+                      "graph replay of the whole decode step"]
 
 
 def tuning_table() -> pd.DataFrame:
@@ -211,8 +246,9 @@ def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
         run.add_many(records)
     paths = plots.figures_for_run(run.directory)
     names = sorted(p.name for p in paths)
-    assert names == sorted(f"{n}.{ext}" for n in ("latency", "speedup", "roofline_index_formatbf16",
-                                                   "roofline_index_formatfp8")
+    assert names == sorted(f"{n}.{ext}" for n in ("latency", "speedup",
+                                                   "ceiling_share_index_formatbf16",
+                                                   "ceiling_share_index_formatfp8")
                            for ext in plots.FORMATS)
     assert all(p.parent == run.directory / "figures" for p in paths)
     svg = (run.directory / "figures" / "latency.svg").read_text()
@@ -247,7 +283,7 @@ def test_recipes_never_mix_presets_in_one_figure(tmp_path: Path) -> None:
     names = sorted(f.paths[0].stem for f in figs)
     assert "latency_presetqwen3.8-flash-next" in names
     assert "speedup_presetqwen3.8-flash-next-tp2" in names
-    assert len(figs) == 2 * (2 + len(FORMATS))  # latency, speedup and a roofline per format
+    assert len(figs) == 2 * (2 + len(FORMATS))  # latency, speedup, ceiling shares per format
     lat = next(f for f in figs if f.paths[0].stem == "latency_presetqwen3.8-flash-next-tp2")
     assert "preset qwen3.8-flash-next-tp2" in lat.figure._suptitle.get_text()
     assert len(data_axes(lat.figure)[0].get_lines()) == len(BATCHES) * 2
@@ -265,10 +301,29 @@ def test_intensity_roofline_draws_the_measured_roofs_and_every_point(tmp_path: P
           "device": "nvidia-h200", "method": "graph"}])
     res = plots.intensity_roofline(rows, tmp_path, title="Roofline test")
     svg = check_files(res, "Roofline test")
-    assert "4,088 GB/s" in svg and "795 TFLOP/s" in svg
+    assert "copy bandwidth 4,088 GB/s" in svg and "matrix 795 TFLOP/s" in svg
     ax = data_axes(res.figure)[0]
     assert ax.get_xscale() == ax.get_yscale() == "log"
     assert sum(len(c.get_offsets()) for c in ax.collections) == 4  # every point drawn
+
+
+def test_the_roofline_names_its_roofs_and_tells_batches_apart(tmp_path: Path) -> None:
+    rows = pd.DataFrame([
+        {"op": "sparse_gqa_decode", "index_format": "bf16", "kv_format": kv, "batch": b,
+         "us": 100.0, "intensity_flop_per_byte": 2.0 * b ** 0.5, "achieved_tflops": t,
+         "pct_bandwidth": 100 * t * 1e3 / (2.0 * b ** 0.5) / 4088,
+         "pct_matrix": 100 * t / roof, "bandwidth_ceiling": "copy", "matrix_ceiling": kv,
+         "method": "graph_replay"}
+        for kv, roof in (("bf16", 795.0), ("fp8", 1580.0)) for b, t in ((1, 2.0), (64, 12.0))])
+    res = plots.intensity_roofline(rows, tmp_path, caption="device NVIDIA H200")
+    texts = [t.get_text() for t in data_axes(res.figure)[0].texts]
+    assert {"copy bandwidth 4,088 GB/s", "BF16 matrix 795 TFLOP/s",
+            "FP8 matrix 1,580 TFLOP/s"} <= set(texts)
+    sizes = {float(sz) for c in data_axes(res.figure)[0].collections
+             if len(c.get_offsets()) for sz in c.get_sizes()}
+    assert len(sizes) == 2  # batch 1 and batch 64 drawn at different sizes
+    legend = [t.get_text() for t in res.figure.legends[0].get_texts()]
+    assert "batch 1" in legend and "batch 64" in legend
 
 
 def _tune_table(knobs: int) -> pd.DataFrame:
@@ -319,6 +374,35 @@ def test_step_runs_draw_decode_steps_and_prefill_chunks_apart(tmp_path: Path) ->
     stems = sorted(f.paths[0].stem for f in figs)
     assert len(stems) == 2 and stems[0].startswith("prefill_step") \
         and stems[1].startswith("step_breakdown")
+    prefill = next(f for f in figs if f.paths[0].stem.startswith("prefill_step"))
+    assert data_axes(prefill.figure)[0].get_ylabel() == \
+        "time per prefill chunk (stack: sum of kernels)"
+    # two format pairs of one shape: also side by side, in one figure per phase
+    fp8 = [{**r, "index_format": "fp8", "kv_format": "fp8"} for r in rows]
+    both = plots.figures_for(pd.DataFrame(rows + fp8), "step", tmp_path / "both")
+    side = sorted(f.paths[0].stem for f in both if f.paths[0].stem.startswith("step_formats"))
+    assert side == ["step_formats_step_phasedecode", "step_formats_step_phaseprefill"]
+
+
+def test_suite_runs_caption_the_device_and_draw_each_steps_formats(tmp_path: Path) -> None:
+    meta = {"device": {"slug": "nvidia-h100-80gb-hbm3", "name": "NVIDIA H100 80GB HBM3"},
+            "versions": {"torch": "2.11.0", "triton": "3.6.0"}, "git": {"commit": "unknown"}}
+    step = [{"record": "step", "suite": "headline", "preset": "qwen3.8-flash-next",
+             "batch": 32, "context": 32768, "mtp": 3, "index_format": f, "kv_format": f,
+             "phase": ph, "kernel": k, "us_per_step": us, "method": "graph_replay",
+             "functional_only": False}
+            for f in ("bf16", "fp8") for ph, k, us in (("target", "sparse_gqa_decode", 1500.0),
+                                                       ("step", "graph replay", 1600.0))]
+    point = {"record": "point", "suite": "headline", "op": "score_stacked", "batch": 64,
+             "index_format": "bf16", "kv_format": "bf16", "us": 10.0,
+             "intensity_flop_per_byte": 2.0, "achieved_tflops": 4.0, "pct_bandwidth": 50.0,
+             "pct_matrix": 1.0, "method": "graph_replay", "functional_only": False}
+    figs = plots.figures_for(pd.DataFrame([point, *step]), "suite", tmp_path, [meta])
+    assert sorted(f.paths[0].stem for f in figs) == ["roofline_intensity", "step"]
+    for f in figs:
+        svg = f.paths[1].read_text()
+        assert "device NVIDIA H100 80GB HBM3" in svg and "torch 2.11.0" in svg
+        assert "timed by graph replay" in svg
 
 
 def test_profile_runs_draw_timing_against_the_profiler(tmp_path: Path) -> None:

@@ -124,7 +124,8 @@ def test_env_toggles_are_recorded(tmp_path, monkeypatch):
     assert env["HIP_VISIBLE_DEVICES"] == "3"
     assert "UNRELATED_VAR" not in env and "MY_QSA_X" not in env
     assert env_toggles({"QSA_A": "1", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0",
-                        "ROCR_VISIBLE_DEVICES": "1"}) == {
+                        "ROCR_VISIBLE_DEVICES": "1", "QSA_SWEEP_PARENT": "4242",
+                        "QSA_ROOT": "/src"}) == {
         "CUDA_VISIBLE_DEVICES": "0", "QSA_A": "1", "ROCR_VISIBLE_DEVICES": "1"}
 
 
@@ -169,5 +170,27 @@ def test_the_workbench_outputs_do_not_make_a_checkout_dirty(tmp_path):
 
 
 def test_git_state_outside_a_repository(tmp_path):
-    assert git_state(tmp_path) == {"commit": None, "dirty": None}
+    state = git_state(tmp_path)
+    assert state["commit"] == "unknown" and state["dirty"] is None
+    assert "not in a git checkout" in state["why"]
     assert results.git_state()["dirty"] in (True, False, None)
+
+
+def test_an_exported_tree_inside_another_repository_records_no_commit(tmp_path):
+    """A `git archive` of the project unpacked inside some other repository: that
+    repository's commit is not the tree's, so the run records `unknown` and says why."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "x.txt").write_text("x\n")
+    git("add", "x.txt")
+    git("commit", "-q", "-m", "c")
+    tree = tmp_path / "vendor" / "qsa-workbench"
+    tree.mkdir(parents=True)
+    state = git_state(tree)
+    assert state["commit"] == "unknown" and state["dirty"] is None
+    assert f"inside the repository {tmp_path.resolve()}" in state["why"]
+    assert len(git_state(tmp_path)["commit"]) == 40  # the top level itself: its own commit

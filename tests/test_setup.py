@@ -2,12 +2,15 @@
 whose `python3` is itself a virtual environment holding the host's torch and triton."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,3 +73,38 @@ def test_each_environment_file_installs_the_torch_of_its_platform():
         lines = pip_lines(name)
         assert any(line.startswith("--extra-index-url") and index in line for line in lines), name
         assert install in lines and any(line.startswith("torch") for line in lines), name
+        # An open bound would take PyPI's CUDA torch once PyPI has a newer one than the
+        # vendor index: an exact version, which the index's build (+cu130, +rocm7.0) wins.
+        (torch_line,) = [line for line in lines if line.startswith("torch")]
+        assert re.fullmatch(r"torch==\d+\.\d+\.\d+", torch_line), (name, torch_line)
+
+
+def _constraints() -> dict[str, str]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = [line.split("==") for line in lines if line and not line.startswith("#")]
+    assert all(len(p) == 2 for p in pins), "constraints.txt holds NAME==VERSION lines only"
+    return {canonicalize_name(n): v for n, v in pins}
+
+
+def test_installs_use_the_constraints_and_pyproject_keeps_lower_bounds():
+    """A fresh install takes the versions the suite passed with (constraints.txt, by pip -c in
+    the set-up and in the wheelhouse), never torch's or Triton's (a GPU host's own builds),
+    while pyproject.toml keeps ranges with a lower bound that every pin satisfies."""
+    import tomllib
+
+    bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    assert '-c "$constraints"' in bootstrap and 'constraints="$root/constraints.txt"' in bootstrap
+    assert '"$constraints" | sha256sum' in bootstrap  # a changed pin re-installs
+    assert '-c "$root/constraints.txt"' in (ROOT / "scripts" / "wheelhouse.sh").read_text()
+    pins = _constraints()
+    assert not {"torch", "triton", "sympy", "networkx"} & set(pins)
+    assert not [n for n in pins if n.startswith(("nvidia-", "pytorch-triton"))]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]
+            + project["optional-dependencies"]["dev"]]
+    for req in reqs:
+        assert any(sp.operator == ">=" for sp in req.specifier), f"{req} has no lower bound"
+        assert not any(sp.operator == "==" for sp in req.specifier), f"{req} is pinned"
+        name = canonicalize_name(req.name)
+        if name != "torch":
+            assert name in pins and req.specifier.contains(pins[name]), (req, pins.get(name))

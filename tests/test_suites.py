@@ -25,6 +25,24 @@ def test_every_shipped_suite_parses():
     assert len(head.targets) >= 10
 
 
+def test_the_headline_suite_has_top_k_over_32k_and_8k_candidates():
+    """256 rows (batch 64 x 4 verify rows) over 32K candidates is batch 64 x 128K context (one
+    candidate group per 4 tokens); the 8K-candidate row (batch 64 x 32K) stays beside it."""
+    head = load_suite("headline")
+    topk = [(p["batch"], p["context"]) for p in head.points if p["op"] == "topk_expand"]
+    assert (64, 131072) in topk and (64, 32768) in topk
+    assert head.preset.rows_per_verify * 64 == 256
+    assert 131072 // head.preset.compress_ratio == 32768
+    named = {t.name: t.where for t in head.targets if t.where.get("op") == "topk_expand"}
+    assert named["top-k + expand, 256 rows x 32K candidates (b64 x 128K), us"]["context"] \
+        == 131072
+
+
+def test_a_suite_that_is_not_valid_yaml_names_the_line():
+    with pytest.raises(ValueError, match=r"t.yaml: not valid YAML: line 2, column 1: while parsing a flow sequence"):
+        parse_suite("name: [x\n", "t.yaml")
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("name: x\ngrids: [{batch: 1}]", "'op' is required"),
     ("name: x\ngrids: [{op: compress, batchh: 1}]", "unknown keys ['batchh']"),

@@ -53,6 +53,32 @@ _AMD_ARCHS: dict[str, _AmdArch] = {
 }
 
 
+@dataclass(frozen=True)
+class Datasheet:
+    """A GPU's vendor figures: what a measured ceiling is checked against (a copy kernel
+    reaching 30-100% of the datasheet bandwidth), never what a fraction is taken of. None: a
+    figure not recorded here."""
+
+    hbm_gbps: float
+    llc_bytes: int | None = None
+    compute_units: int | None = None  # SMs on NVIDIA, CUs on AMD
+    bf16_tflops: float | None = None  # dense
+    fp8_tflops: float | None = None  # dense
+
+
+MB = 1000 * 1000  # vendors give cache sizes in MB
+# Per device slug (`device_slug`). NVIDIA: the H200 and H100 Tensor Core GPU datasheets (SXM
+# form factor; dense rates are half the "with sparsity" figures) and the Hopper
+# architecture whitepaper (132 SMs and 50 MB L2 on both SXM parts). AMD: the Instinct
+# MI355X/MI300X data sheets (HBM bandwidth and 256 MB Infinity Cache).
+DATASHEETS: dict[str, Datasheet] = {
+    "nvidia-h200": Datasheet(4800.0, 50 * MB, 132, 989.4, 1978.9),
+    "nvidia-h100-80gb-hbm3": Datasheet(3350.0, 50 * MB, 132, 989.4, 1978.9),  # H100 SXM5
+    "amd-mi355x": Datasheet(8000.0, 256 * MB),
+    "amd-mi300x": Datasheet(5300.0, 256 * MB),
+}
+
+
 def parse_arch(*, gcn_arch_name: str | None = None,
                capability: tuple[int, int] | None = None) -> str:
     """Short arch name: ROCm "gfx950:sramecc+:xnack-" -> "gfx950"; CUDA (9, 0) -> "sm90"."""

@@ -1,6 +1,6 @@
 """Durable file writes shared by the results store, the device ceilings cache, the sweeps and
-the page file:
-a leaf module, so none of them needs to import another to write a file."""
+the page file, and the YAML reading of the sweep specs and suites:
+a leaf module, so none of them needs to import another to write or read a file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+import yaml
 
 
 @contextlib.contextmanager
@@ -40,3 +42,17 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Replace `path` with `data` atomically (see `atomic_writer`)."""
     with atomic_writer(path) as f:
         f.write(data)
+
+
+def load_yaml(text: str, source: str | Path) -> Any:
+    """`text` parsed as YAML; a syntax error is a ValueError naming `source`, the line and the
+    column (PyYAML's own message names a "<unicode string>" over several lines)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ValueError(f"{source}: not valid YAML: {where}{what}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None

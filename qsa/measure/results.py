@@ -37,11 +37,19 @@ _VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VIS
 _REPO = Path(__file__).resolve().parents[2]
 
 
+# QSA_* variables of the workbench's own machinery, not toggles of what runs: the sweep
+# runner's parent process id, and the set-up scripts' paths and install choices.
+INTERNAL_ENV = ("QSA_SWEEP_PARENT", "QSA_ROOT", "QSA_VENV", "QSA_PYTHON", "QSA_EXTRAS",
+                "QSA_TORCH", "QSA_TRITON")
+
+
 def env_toggles(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment variables that change what runs: QSA_*, TRITON_* and visible-device lists."""
+    """Environment variables that change what runs: QSA_*, TRITON_* and visible-device lists
+    (not `INTERNAL_ENV`)."""
     env = os.environ if environ is None else environ
     return {k: env[k] for k in sorted(env)
-            if k.startswith(("QSA_", "TRITON_")) or k in _VISIBLE_DEVICE_VARS}
+            if (k.startswith(("QSA_", "TRITON_")) or k in _VISIBLE_DEVICE_VARS)
+            and k not in INTERNAL_ENV}
 
 
 # What the workbench itself writes inside a checkout: results, sweeps, executed notebooks.
@@ -49,9 +57,15 @@ def env_toggles(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 OUTPUT_PATHS = ("profiles", "notebooks/executed")
 
 
+UNKNOWN_COMMIT = "unknown"
+
+
 def git_state(repo: str | Path = _REPO) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout (changes to code, tables and notebooks; not the
-    workbench's own outputs, `OUTPUT_PATHS`); None where git or a commit is missing."""
+    """Commit and dirty flag of the project's checkout (changes to code, tables and notebooks;
+    not the workbench's own outputs, `OUTPUT_PATHS`). Only a checkout whose top level is `repo`
+    itself counts: an exported tree (a `git archive`, an unpacked wheel) inside some other
+    repository would otherwise record that repository's commit. Otherwise the commit is
+    `unknown` and `why` says what was found."""
     # GIT_OPTIONAL_LOCKS=0 keeps `git status` from rewriting the index of a shared checkout.
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
@@ -63,11 +77,20 @@ def git_state(repo: str | Path = _REPO) -> dict[str, Any]:
             return None
         return out.stdout if out.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None:
+        return {"commit": UNKNOWN_COMMIT, "dirty": None,
+                "why": f"{repo} is not in a git checkout (or git is not installed)"}
+    if Path(top.strip()).resolve() != Path(repo).resolve():
+        return {"commit": UNKNOWN_COMMIT, "dirty": None,
+                "why": f"{repo} is not a checkout of its own: it lies inside the repository "
+                       f"{top.strip()}, whose commit is not this tree's"}
     commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": UNKNOWN_COMMIT, "dirty": None, "why": f"{repo} has no commit yet"}
     status = git("status", "--porcelain", "--", ".",
                  *(f":(exclude){p}" for p in OUTPUT_PATHS))
-    return {"commit": commit.strip() if commit else None,
-            "dirty": None if status is None else bool(status.strip())}
+    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
 def new_run_id(kind: str, now: dt.datetime | None = None) -> str:

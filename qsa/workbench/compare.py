@@ -1,12 +1,14 @@
-"""A/B comparison of two result sets, point by point, with a verdict that respects the noise.
+"""A/B comparison of two result sets, point by point, with a verdict from a statistical test.
 
 Typical uses: the same sweep with `QSA_STACKED_DECODE_SCORER=0` and `=1`, or at two commits.
-Points are matched on their shape columns; each matched pair gets a verdict with the timing
-module's rule (`qsa.measure.timing.same_within_noise`): B is "faster" or "slower" only when the
-medians differ by more than the larger relative IQR of the two measurements, else "same".
+Points are matched on their shape columns. Each matched pair gets a 95% bootstrap confidence
+interval of its speedup, the ratio of the medians A / B, resampling the per-sample times the
+results store keeps (`scipy.stats.bootstrap`, percentile method, fixed seed): B is "faster"
+when the whole interval lies above 1, "slower" when it lies below 1, else "same". The interval
+covers the noise within each run only, not what changes from one process to the next.
 Pairs that can not be compared honestly (different timing method or cache policy, an
-interpreter run, an unverified kernel, a graph replay whose sample was too short for the
-replay's own cost to vanish) are "incomparable", never silently ranked.
+interpreter run, an unverified kernel, too few stored samples, a graph replay whose sample was
+too short for the replay's own cost to vanish) are "incomparable", never silently ranked.
 """
 
 from __future__ import annotations
@@ -20,51 +22,73 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
-from qsa.measure.timing import (METHOD_GRAPH, SIZING_HOST, Timing, noise_floor,
-                                relative_difference)
+from qsa.measure.files import atomic_write_bytes
+from qsa.measure.results import INTERNAL_ENV, new_run_id
+from qsa.measure.timing import METHOD_GRAPH, SIZING_HOST
 
 DEFAULT_KEYS: tuple[str, ...] = ("op", "preset", "batch", "context", "rows", "index_format",
                                  "kv_format", "selection")
 VERDICTS: tuple[str, ...] = ("faster", "slower", "same", "incomparable", "only_a", "only_b")
-_TIMING_COLS = ("us", "p10_us", "p90_us", "iqr_us", "n_samples", "method", "cache_policy",
-                "functional_only", "verified", "calls_per_sample", "sizing")
+_TIMING_COLS = ("us", "p10_us", "p90_us", "iqr_us", "n_samples", "samples_us", "method",
+                "cache_policy", "functional_only", "verified", "calls_per_sample", "sizing")
 # A graph replay's own cost (about 10 us on the H200) is spread over the calls of a sample; a
 # sample of at least this much device time keeps it near 1% of the per-call time.
 MIN_HOST_SIZED_SAMPLE_US = 1000.0
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+MIN_SAMPLES = 5  # fewer stored samples make no interval worth the name
+TEST = (f"{CONFIDENCE:.0%} bootstrap interval of the ratio of medians (scipy.stats.bootstrap, "
+        f"percentile, {RESAMPLES:,} resamples of the stored per-sample times)")
 
 
-def _timing(row: Mapping[str, Any]) -> Timing:
-    """The Timing a record summarizes; the noise rule reads only median, IQR, method, policy."""
-    return Timing(median_us=float(row["us"]), p10_us=float(row.get("p10_us", math.nan)),
-                  p90_us=float(row.get("p90_us", math.nan)),
-                  min_us=float(row.get("min_us", math.nan)), iqr_us=float(row["iqr_us"]),
-                  n_samples=int(row.get("n_samples", 0) or 0), samples_us=(),
-                  method=str(row.get("method", "")), cache_policy=str(row.get("cache_policy", "")),
-                  calls_per_sample=1, functional_only=bool(row.get("functional_only", False)))
+def _ratio_of_medians(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+
+def speedup_interval(samples_a: Sequence[float], samples_b: Sequence[float]
+                     ) -> tuple[float, float]:
+    """The `CONFIDENCE` bootstrap interval of median(A) / median(B) (seeded: the same samples
+    always give the same interval, so a regenerated table does not change)."""
+    res = stats.bootstrap((np.asarray(samples_a, float), np.asarray(samples_b, float)),
+                          _ratio_of_medians, n_resamples=RESAMPLES, vectorized=True,
+                          confidence_level=CONFIDENCE, method="percentile",
+                          rng=np.random.default_rng(0))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, float, float, str]:
-    """(verdict of B against A, relative difference, noise floor, reason) for two records."""
+    """(verdict of B against A, low and high end of the speedup interval, reason) for two
+    records."""
     for side, rec in (("A", a), ("B", b)):
         if _flag(rec.get("functional_only")):
             return "incomparable", math.nan, math.nan, f"{side} is a functional (CPU) run"
         if "verified" in rec and not _flag(rec.get("verified")):
             return "incomparable", math.nan, math.nan, f"{side} failed verification"
-        if not (rec.get("us", math.nan) > 0) or _nan(rec.get("iqr_us")):
+        if not (rec.get("us", math.nan) > 0):
             return "incomparable", math.nan, math.nan, f"{side} has no timing"
         short = _short_host_sized_graph(rec)
         if short:
             return "incomparable", math.nan, math.nan, f"{side} {short}"
-    ta, tb = _timing(a), _timing(b)
-    try:
-        rel = relative_difference(ta, tb)
-    except ValueError as exc:  # different method or cache policy
-        return "incomparable", math.nan, math.nan, str(exc)
-    floor = noise_floor(ta, tb)
-    if rel <= floor:
-        return "same", rel, floor, ""
-    return ("faster" if tb.median_us < ta.median_us else "slower"), rel, floor, ""
+    taken = [(str(r.get("method", "")), str(r.get("cache_policy", ""))) for r in (a, b)]
+    if taken[0] != taken[1]:
+        return ("incomparable", math.nan, math.nan, "can not compare timings taken "
+                f"differently: {'/'.join(taken[0])} vs {'/'.join(taken[1])}")
+    samples = [_samples(r) for r in (a, b)]
+    for side, x in zip("AB", samples):
+        if len(x) < MIN_SAMPLES:
+            return ("incomparable", math.nan, math.nan, f"{side} keeps {len(x)} per-sample "
+                    f"times; the test needs {MIN_SAMPLES}")
+    lo, hi = speedup_interval(*samples)
+    return ("faster" if lo > 1 else "slower" if hi < 1 else "same"), lo, hi, ""
+
+
+def _samples(rec: Mapping[str, Any]) -> np.ndarray:
+    """A record's stored per-sample times (µs per call), positive and finite."""
+    v = rec.get("samples_us")
+    x = np.asarray([] if v is None or _nan(v) else v, dtype=float).ravel()
+    return x[np.isfinite(x) & (x > 0)]
 
 
 def _short_host_sized_graph(rec: Mapping[str, Any]) -> str:
@@ -105,6 +129,7 @@ class Comparison:
     keys: tuple[str, ...]
     label_a: str
     label_b: str
+    device: Mapping[str, Any] | None = None  # the run.json device record of both runs
 
     @property
     def counts(self) -> dict[str, int]:
@@ -122,6 +147,7 @@ class Comparison:
         matched = c["faster"] + c["slower"] + c["same"] + c["incomparable"]
         lines = [f"B = {self.label_b} against A = {self.label_a}, matched on "
                  f"{', '.join(self.keys)}: {matched} points",
+                 f"  verdict: {TEST}; faster or slower when it excludes 1",
                  f"  faster {c['faster']} · slower {c['slower']} · same within noise "
                  f"{c['same']} · incomparable {c['incomparable']}",
                  f"  only in A {c['only_a']} · only in B {c['only_b']}"]
@@ -146,7 +172,8 @@ def _unique_points(df: pd.DataFrame, keys: Sequence[str], side: str) -> pd.DataF
 
 
 def compare(a: pd.DataFrame, b: pd.DataFrame, *, keys: Sequence[str] | None = None,
-            label_a: str = "A", label_b: str = "B") -> Comparison:
+            label_a: str = "A", label_b: str = "B",
+            device: Mapping[str, Any] | None = None) -> Comparison:
     """Match A and B on `keys` (default: the DEFAULT_KEYS both have) and judge each pair."""
     keys = tuple(keys) if keys is not None else tuple(k for k in DEFAULT_KEYS
                                                        if k in a and k in b)
@@ -163,29 +190,30 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, *, keys: Sequence[str] | None = No
         ra = {c: rec.get(f"{c}_a") for c in cols}
         rb = {c: rec.get(f"{c}_b") for c in cols}
         if rec["_merge"] == "left_only":
-            v, rel, floor, reason = "only_a", math.nan, math.nan, ""
+            v, lo, hi, reason = "only_a", math.nan, math.nan, ""
         elif rec["_merge"] == "right_only":
-            v, rel, floor, reason = "only_b", math.nan, math.nan, ""
+            v, lo, hi, reason = "only_b", math.nan, math.nan, ""
         else:
-            v, rel, floor, reason = verdict(ra, rb)
+            v, lo, hi, reason = verdict(ra, rb)
         us_a, us_b = ra.get("us"), rb.get("us")
         speedup = (us_a / us_b if not _nan(us_a) and not _nan(us_b) and us_b > 0 else math.nan)
         rows.append({**{k: rec[k] for k in keys}, "us_a": us_a, "us_b": us_b,
                      "iqr_us_a": ra.get("iqr_us"), "iqr_us_b": rb.get("iqr_us"),
-                     "speedup": speedup, "rel_diff": rel, "noise_floor": floor, "verdict": v,
+                     "speedup": speedup, "speedup_lo": lo, "speedup_hi": hi, "verdict": v,
                      "reason": reason})
     table = pd.DataFrame(rows, columns=[*keys, "us_a", "us_b", "iqr_us_a", "iqr_us_b",
-                                        "speedup", "rel_diff", "noise_floor", "verdict",
+                                        "speedup", "speedup_lo", "speedup_hi", "verdict",
                                         "reason"])
-    return Comparison(table, keys, label_a, label_b)
+    return Comparison(table, keys, label_a, label_b, device)
 
 
 def run_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any]) -> dict[str, Any]:
-    """What differs between two runs' run.json: env toggles, git commit, versions, device."""
+    """What differs between two runs' run.json: env toggles (not the workbench's own
+    variables, `INTERNAL_ENV`, which older runs recorded), git commit, versions, device."""
     out: dict[str, Any] = {}
     env_a, env_b = meta_a.get("env") or {}, meta_b.get("env") or {}
     env = {k: (env_a.get(k), env_b.get(k)) for k in sorted(set(env_a) | set(env_b))
-           if env_a.get(k) != env_b.get(k)}
+           if env_a.get(k) != env_b.get(k) and k not in INTERNAL_ENV}
     if env:
         out["env"] = env
     for key in ("git", "versions"):
@@ -246,7 +274,38 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *,
         raise ValueError(f"runs are from different devices {diff['device']}; an A/B needs one "
                          "device")
     return compare(da, db, keys=keys, label_a=_run_label(ma, diff, 0),
-                   label_b=_run_label(mb, diff, 1)), diff
+                   label_b=_run_label(mb, diff, 1), device=mb["device"]), diff
+
+
+def output_folder(out: str | Path | None, root: str | Path, cmp: Comparison,
+                  inputs: Sequence[str | Path]) -> Path:
+    """Where a comparison's files go: `out`, or a new `<root>/<device slug>/compare/<id>`;
+    never inside an input (a committed run must stay as it was measured). Refused with a
+    ValueError before anything is created."""
+    slug = (cmp.device or {}).get("slug", "unknown-device")
+    folder = Path(out) if out is not None else Path(root) / slug / "compare" / new_run_id(
+        "compare")
+    for side, path in zip("AB", inputs):
+        if folder.resolve().is_relative_to(Path(path).resolve()):
+            raise ValueError(f"--out: {folder} is inside input {side} ({path}); a comparison "
+                             "is written to a folder of its own")
+    return folder
+
+
+def write_comparison(cmp: Comparison, diff: Mapping[str, Any], folder: Path,
+                     run_a: str | Path, run_b: str | Path) -> Path:
+    """`compare.csv` (the per-point table) and `compare.json` (the inputs, the test, the counts
+    and what differs), so the folder says what it compared; returns the CSV's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = folder / "compare.csv"
+    atomic_write_bytes(table, cmp.table.to_csv(index=False).encode())
+    index = {"a": str(run_a), "b": str(run_b), "label_a": cmp.label_a, "label_b": cmp.label_b,
+             "keys": list(cmp.keys), "test": TEST, "counts": cmp.counts,
+             "geomean_speedup": None if math.isnan(cmp.geomean_speedup)
+             else cmp.geomean_speedup, "differs": diff, "device": dict(cmp.device or {})}
+    atomic_write_bytes(folder / "compare.json",
+                       (json.dumps(index, indent=1, default=str) + "\n").encode())
+    return table
 
 
 # Columns that also tell points apart when present: a forced split count, an FP8 flavour, and

@@ -10,7 +10,9 @@ has qsa installed. The sweep runner and the notebook helpers both build on this 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import nbformat
+    from papermill.exceptions import PapermillExecutionError
 
 DEFAULT_KERNEL = "python3"
 PARAMETERS_TAG = "parameters"
@@ -27,6 +30,21 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
 class NotebookError(ValueError):
     """A notebook or its parameters are not usable as given."""
+
+
+def lab_command() -> str:
+    """The one shell command that opens the notebooks in JupyterLab from this Python's
+    environment: installing the `lab` extra first where JupyterLab is missing (the main job's
+    set-up installs only `dev`, which keeps it light and able to run from an offline
+    wheelhouse without JupyterLab's hundred-odd packages)."""
+    root = NOTEBOOK_DIR.parent
+    jupyter = Path(sys.executable).with_name("jupyter")
+    open_lab = f"{shlex.quote(str(jupyter))} lab {shlex.quote(str(NOTEBOOK_DIR))}"
+    if importlib.util.find_spec("jupyterlab") is not None:
+        return open_lab
+    install = (f"{shlex.quote(sys.executable)} -m pip install -c "
+               f"{shlex.quote(str(root / 'constraints.txt'))} -e {shlex.quote(f'{root}[lab]')}")
+    return f"{install} && {open_lab}"
 
 
 def notebook_path(name: str | Path) -> Path:
@@ -104,13 +122,14 @@ def check_kernel(kernel_name: str) -> None:
 def execute_notebook(path: str | Path, output_path: str | Path | None,
                      parameters: Mapping[str, Any] | None = None, *,
                      kernel_name: str = DEFAULT_KERNEL, cwd: str | Path | None = None,
-                     timeout_s: float | None = None, log_output: bool = False
-                     ) -> nbformat.NotebookNode:
+                     timeout_s: float | None = None, log_output: bool = False,
+                     progress: bool = False) -> nbformat.NotebookNode:
     """Execute a notebook with papermill and return the executed NotebookNode.
 
     Unknown parameter names are an error here (papermill only warns, so a typo in a sweep spec
     would silently measure the defaults). On a failing cell papermill saves the notebook with
-    the error and raises `PapermillExecutionError` (ename, evalue, cell_index); that propagates.
+    the error and raises `PapermillExecutionError` (ename, evalue, cell_index); that propagates
+    (`cell_error` says it in one line). `progress`: papermill's per-cell progress bar on stderr.
     """
     import papermill
 
@@ -126,4 +145,20 @@ def execute_notebook(path: str | Path, output_path: str | Path | None,
     return papermill.execute_notebook(
         nb, None if output_path is None else str(output_path), parameters=params,
         kernel_name=kernel_name, language="python", cwd=None if cwd is None else str(cwd),
-        progress_bar=False, log_output=log_output, execution_timeout=timeout_s)
+        progress_bar=progress, log_output=log_output, execution_timeout=timeout_s)
+
+
+def cell_error(exc: PapermillExecutionError, executed: str | Path) -> str:
+    """A failing cell's error in one line, with the executed notebook that shows its
+    traceback (papermill's own message repeats the cell's source and the whole traceback)."""
+    evalue = " ".join(str(exc.evalue).split())
+    return (f"cell [{exc.exec_count}] raised {exc.ename}: {evalue} (traceback in the executed "
+            f"notebook {executed})")
+
+
+def results_lines(nb: nbformat.NotebookNode) -> list[str]:
+    """The `results: <run dir>` lines an executed notebook printed (each workbench notebook
+    prints one per run it stores), so a caller can say where its results went."""
+    return [line.strip() for cell in nb.cells if cell.cell_type == "code"
+            for o in cell.get("outputs", []) if o.get("output_type") == "stream"
+            for line in str(o.get("text", "")).splitlines() if line.startswith("results:")]

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from qsa.measure.timing import METHOD_EVENTS, METHOD_GRAPH, METHOD_HOST
 from qsa.workbench.notebooks import FUNCTIONAL_NOTE
 
 FORMATS = ("png", "svg", "pdf")  # PNG for slides, SVG and PDF for documents
@@ -43,7 +44,7 @@ STYLE: dict[str, Any] = {
     # regenerated figure only shows up in a diff when its content changed.
     "svg.fonttype": "none", "svg.hashsalt": "qsa-workbench",
 }
-US = "latency (µs)"
+US = "latency per call"  # the ticks carry the unit (`_duration`)
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,22 @@ def caption_for(df: pd.DataFrame, metas: Sequence[Mapping[str, Any]] = ()) -> st
     runs = sorted(set(df["run_id"].dropna().astype(str))) if "run_id" in df else []
     if runs:
         parts.append(f"run {runs[0]}" if len(runs) == 1 else f"{len(runs)} runs")
+    functional = is_functional(df)
     if "method" in df:
-        parts += sorted(set(df["method"].dropna().astype(str)))
-    if "cache_policy" in df:
+        parts += [METHOD_WORDS.get(m, m) for m in sorted(set(df["method"].dropna().astype(str)))]
+    if "cache_policy" in df and not functional:  # the interpreter has no cache to speak of
         parts.append(_cache_label(set(df["cache_policy"].dropna().astype(str))))
     text = " · ".join(parts)
-    return f"{FUNCTIONAL_NOTE.upper()} · {text}" if is_functional(df) else text
+    return f"{FUNCTIONAL_NOTE.upper()} · {text}" if functional else text
+
+
+# The timing methods (`qsa.measure.timing`) in words, for captions read outside the team.
+METHOD_WORDS = {
+    METHOD_GRAPH: "timed by graph replay (each call captured in a CUDA/HIP graph, replayed; "
+                  "device time per call)",
+    METHOD_EVENTS: "timed by device events around each call",
+    METHOD_HOST: "timed by the host clock (interpreter run)",
+}
 
 
 def _cache_label(policies: set[str]) -> str:
@@ -177,11 +188,22 @@ def _num(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _num_axis(ax: Any, axis: str = "y") -> None:
+def _duration(us: float) -> str:
+    """A time given in µs, in the unit that reads best: 850 µs, 5000 µs, 12 ms, 1.5 s."""
+    a = abs(us)
+    if a >= 1e7:
+        return f"{us / 1e6:.3g} s"
+    if a >= 1e4:
+        return f"{us / 1e3:.3g} ms"
+    return f"{_num(us)} µs"
+
+
+def _num_axis(ax: Any, axis: str = "y", fmt: Callable[[float], str] = _num) -> None:
+    """Compact tick labels (`fmt`: `_duration` for an axis of µs)."""
     target = ax.yaxis if axis == "y" else ax.xaxis
     if target.get_scale() == "log":  # 1-2-5 ticks read better than every minor tick labelled
         target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    target.set_major_formatter(FuncFormatter(lambda v, _pos: _num(v)))
+    target.set_major_formatter(FuncFormatter(lambda v, _pos: fmt(v)))
     target.set_minor_formatter(NullFormatter())
 
 
@@ -241,12 +263,12 @@ def _label(col: str | None, value: Any) -> str:
 def line_plot(df: pd.DataFrame, out_dir: str | Path, *, x: str, y: str, name: str, title: str,
               xlabel: str, ylabel: str, series: str | None = None, style: str | None = None,
               facet: str | None = None, band: tuple[str, str] | None = None,
-              logx: bool = True, logy: bool = False, caption: str | None = None
-              ) -> FigureResult:
+              logx: bool = True, logy: bool = False, caption: str | None = None,
+              yfmt: Callable[[float], str] = _num) -> FigureResult:
     """One line per (series, style) value pair, one panel per facet value.
 
     Colour follows `series`, line style follows `style`; `band` (low, high) columns shade a
-    spread around each line (p10/p90 for latencies).
+    spread around each line (p10/p90 for latencies); `yfmt` labels the y ticks.
     """
     _check_columns(df, x, y, series, style, facet, *(band or ()))
     facets, series_vals, style_vals = _values(df, facet), _values(df, series), _values(df, style)
@@ -270,7 +292,7 @@ def line_plot(df: pd.DataFrame, out_dir: str | Path, *, x: str, y: str, name: st
             _log2_axis(ax, part[x].tolist())
         if logy:
             ax.set_yscale("log")
-        _num_axis(ax)
+        _num_axis(ax, fmt=yfmt)
         ax.set_xlabel(xlabel)
         ax.set_title(_label(facet, fv))
     axes[0][0].set_ylabel(ylabel)
@@ -334,7 +356,7 @@ def latency_vs_context(df: pd.DataFrame, out_dir: str | Path, *, name: str = "la
     return line_plot(df, out_dir, x="context", y="us", name=name,
                      title=title or "Latency per call vs context", xlabel="context (tokens)",
                      ylabel=US, series=series, style=style, facet=facet, band=band, logy=True,
-                     caption=caption)
+                     caption=caption, yfmt=_duration)
 
 
 @styled
@@ -345,9 +367,9 @@ def speedup_heatmap(df: pd.DataFrame, out_dir: str | Path, *, variant: str = "op
                     caption: str | None = None) -> FigureResult:
     """Speedup baseline µs / candidate µs over rows x cols, one panel per facet value.
 
-    Cells are compared with the noise rule of `qsa.workbench.compare` (the timing module's):
-    a cell whose difference is within the measured spread is printed as "≈", so colour alone
-    never suggests a difference the measurement can not support.
+    Cells are judged by the test of `qsa.workbench.compare` (a bootstrap interval of the
+    speedup): a cell whose interval includes 1 is printed as "≈", so colour alone never
+    suggests a difference the measurement can not support.
     """
     from qsa.workbench.compare import compare
 
@@ -384,10 +406,11 @@ def speedup_heatmap(df: pd.DataFrame, out_dir: str | Path, *, variant: str = "op
         ax.set_ylabel(rows)
         ax.set_title(_label(facet, fv))
         ax.grid(False)
-    ticks = [t for t in range(-8, 9) if abs(t) <= span] or [0]
+    # Powers of two inside the span, and its ends: the bar reaches the largest cell's value.
+    ticks = sorted({-span, span, *(t for t in range(-8, 9) if abs(t) < span - 0.5)})
     bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.85, ticks=ticks,
                        label="speedup (log scale)")
-    bar.ax.set_yticklabels([f"{2.0 ** t:g}x" for t in ticks])
+    bar.ax.set_yticklabels([f"{2.0 ** t:.3g}x" for t in ticks])
     title = title or f"Speedup of {candidate} over {baseline}"
     return _finish(fig, df, f"{title} (>1: {candidate} faster; ≈ within noise)", caption,
                    out_dir, name)
@@ -398,62 +421,71 @@ def _pct_column(df: pd.DataFrame, *names: str) -> str | None:
 
 
 @styled
-def roofline_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "context",
-                   series: str | None = "batch", facet: str | None = "op",
-                   name: str = "roofline", title: str | None = None,
-                   caption: str | None = None) -> FigureResult:
-    """Percent of the measured copy bandwidth (top) and matrix rate (bottom) per point.
+def ceiling_share_chart(df: pd.DataFrame, out_dir: str | Path, *, x: str = "context",
+                        series: str | None = "batch", facet: str | None = "op",
+                        name: str = "ceiling_share", title: str | None = None,
+                        caption: str | None = None) -> FigureResult:
+    """Percent of the measured copy bandwidth and of the matrix rate per point, against
+    `x`: how close each point runs to the device's limits (not a roofline: `intensity_roofline`
+    is that). A panel row with no data (kernels without matrix work, a functional run) is left
+    out, and so is one op's panel without data in a row that others fill (the row-wise scorer's
+    matrix rate); with no data at all, one panel says so.
 
     Fractions are of *measured* ceilings (`qsa.measure.device.measure_ceilings`), so 100% is
-    "as fast as this device streams / multiplies in practice". Functional runs have no
-    ceilings: the panels say so instead of plotting interpreter times.
+    "as fast as this device streams / multiplies in practice".
     """
-    bw = _pct_column(df, "pct_copy_bw", "pct_bandwidth")
-    mx = _pct_column(df, "pct_matrix")
     _check_columns(df, x, series, facet)
     facets, series_vals = _values(df, facet), _values(df, series)
-    fig, axes = _new_figure(len(facets), 2, sharey=False)
-    panels = ((bw, "% of copy bandwidth"), (mx, "% of matrix rate"))
-    for col_i, fv in enumerate(facets):
-        part = _select(df, facet, fv)
-        for row_i, (col, ylabel) in enumerate(panels):
+    panels = []
+    for col, ylabel in ((_pct_column(df, "pct_copy_bw", "pct_bandwidth"), "% of copy bandwidth"),
+                        (_pct_column(df, "pct_matrix"), "% of matrix rate")):
+        vals = pd.to_numeric(df[col], errors="coerce") if col is not None else None
+        if vals is not None and (vals.fillna(0) > 0).any():
+            panels.append((vals, ylabel))
+    fig, axes = _new_figure(len(facets), max(1, len(panels)), sharey=False)
+    if not panels:
+        for ax in axes.flat:
+            ax.text(0.5, 0.5, "no share of a measured ceiling\n(functional run, or no measured "
+                    "ceilings)", ha="center", va="center", transform=ax.transAxes, fontsize=8,
+                    color="0.4")
+            ax.set_xticks([])
+            ax.set_yticks([])
+    for row_i, (vals, ylabel) in enumerate(panels):
+        for col_i, fv in enumerate(facets):
             ax = axes[row_i][col_i]
-            vals = (pd.to_numeric(part[col], errors="coerce") if col is not None
-                    else pd.Series(np.nan, index=part.index))
-            if vals.notna().sum() == 0:
-                ax.text(0.5, 0.5, f"{ylabel}: none\n(functional run, or no measured "
-                        "ceilings)", ha="center", va="center", transform=ax.transAxes,
-                        fontsize=8, color="0.4")
-                ax.set_xticks([])
-                ax.set_yticks([])
-            else:
-                for i, sv in enumerate(series_vals):
-                    sel = part if series is None else part[part[series] == sv]
-                    pts = pd.DataFrame({x: sel[x], "v": vals[sel.index]}).dropna().sort_values(x)
-                    if not pts.empty:
-                        ax.plot(pts[x], pts["v"], color=PALETTE[i % len(PALETTE)], marker="o",
-                                label=_label(series, sv) or ylabel)
-                ax.axhline(100, color="0.2", linewidth=0.8, linestyle="--")
-                ax.set_ylim(0, max(105.0, float(vals.max()) * 1.05))
-                if x == "context":
-                    _log2_axis(ax, part[x].tolist())
+            part = _select(df, facet, fv)
+            if not (vals[part.index].fillna(0) > 0).any():
+                ax.set_visible(False)
+                continue
+            for i, sv in enumerate(series_vals):
+                sel = part if series is None else part[part[series] == sv]
+                pts = pd.DataFrame({x: sel[x], "v": vals[sel.index]}).dropna().sort_values(x)
+                if not pts.empty:
+                    ax.plot(pts[x], pts["v"], color=PALETTE[i % len(PALETTE)], marker="o",
+                            label=_label(series, sv) or ylabel)
+            ax.axhline(100, color="0.2", linewidth=0.8, linestyle="--")
+            ax.set_ylim(0, max(105.0, float(vals[part.index].max()) * 1.05))
+            if x == "context":
+                _log2_axis(ax, part[x].tolist())
             ax.set_xlabel("context (tokens)" if x == "context" else x)
             ax.set_ylabel(ylabel)
             if row_i == 0:
                 ax.set_title(_label(facet, fv))
     _legend(fig, axes)
-    return _finish(fig, df, title or "Roofline: share of measured device limits", caption,
-                   out_dir, name)
+    return _finish(fig, df, title or "Share of the measured device limits", caption, out_dir,
+                   name)
 
 
 @styled
 def intensity_roofline(df: pd.DataFrame, out_dir: str | Path, *, series: str = "op",
-                       marker: str | None = "fmt", name: str = "roofline_intensity",
-                       title: str | None = None, caption: str | None = None) -> FigureResult:
+                       marker: str | None = "fmt", size: str | None = "batch",
+                       name: str = "roofline_intensity", title: str | None = None,
+                       caption: str | None = None) -> FigureResult:
     """The roofline proper: arithmetic intensity (FLOP/byte) against achieved TFLOP/s, log-log,
-    one point per kernel and shape, under the device's measured roofs (copy bandwidth slope,
-    matrix-rate ceiling; the numbers come from each row's own percentages, so the roofs are
-    the ones the points were measured against)."""
+    one point per kernel and shape, under the device's measured roofs, each named (copy
+    bandwidth, BF16 matrix, FP8 matrix; the numbers come from each row's own percentages, so
+    the roofs are the ones the points were measured against). Colour follows `series`, the
+    marker the index/KV formats, the marker's size `size` (the batch)."""
     _check_columns(df, series, "intensity_flop_per_byte", "achieved_tflops")
     need = ["intensity_flop_per_byte", "achieved_tflops", "pct_bandwidth", "pct_matrix"]
     num = df.assign(**{c: pd.to_numeric(df.get(c), errors="coerce") for c in need})
@@ -476,30 +508,49 @@ def intensity_roofline(df: pd.DataFrame, out_dir: str | Path, *, series: str = "
     hi = max(float(pts["intensity_flop_per_byte"].max()) * 3, float(tflops.max()) * 1e3
              / float(gbps.min()) * 3)
     xs = np.geomspace(lo, hi, 200)
-    for i, (b, m) in enumerate(sorted({(round(b), round(m)) for b, m in zip(gbps, tflops)})):
-        style = LINESTYLES[i % len(LINESTYLES)]
-        ax.plot(xs, np.minimum(m, b * xs / 1e3), color="0.25", linewidth=1.0, linestyle=style)
-        ax.text(xs[0] * 1.1, b * xs[0] * 1.1 / 1e3, f"{b:,} GB/s", fontsize=7, color="0.25",
-                rotation=32, rotation_mode="anchor", va="bottom")
-        ax.text(xs[-1] / 1.1, m * 1.06, f"{m:,} TFLOP/s", fontsize=7, color="0.25", ha="right",
-                va="bottom")
+    bw_name = pts.get("bandwidth_ceiling", pd.Series("copy", pts.index)).astype(str)
+    mx_name = pts.get("matrix_ceiling", pd.Series("matrix", pts.index)).astype(str)
+    slopes = sorted({(n, round(b)) for n, b in zip(bw_name, gbps)}, key=lambda r: r[1])
+    roofs = sorted({(n, round(m)) for n, m in zip(mx_name, tflops)}, key=lambda r: r[1])
+    b_min = slopes[0][1]
+    for n, b in slopes:
+        ax.plot(xs, b * xs / 1e3, color="0.25", linewidth=1.0, linestyle=":")
+        ax.text(xs[0] * 1.1, b * xs[0] * 1.1 / 1e3, f"{n} bandwidth {b:,} GB/s", fontsize=7,
+                color="0.25", rotation=32, rotation_mode="anchor", va="bottom")
+    for i, (n, m) in enumerate(roofs):
+        ax.plot(xs, np.minimum(m, b_min * xs / 1e3), color="0.25", linewidth=1.0,
+                linestyle=LINESTYLES[i % len(LINESTYLES)])
+        ax.text(xs[-1] / 1.1, m * 1.06, f"{n.upper() if n in ('bf16', 'fp8') else n} matrix "
+                f"{m:,} TFLOP/s", fontsize=7, color="0.25", ha="right", va="bottom")
     fmt = (pts["index_format"].astype(str) + "/" + pts["kv_format"].astype(str)
            if marker == "fmt" and {"index_format", "kv_format"} <= set(pts) else None)
     fmts = sorted(set(fmt)) if fmt is not None else [None]
+    sizes = _values(pts, size) if size is not None and size in pts else [None]
+
+    def area(v: Any) -> float:  # grows with log2 of the size column: 1, 8, 64 read apart
+        return 16.0 if v is None else 16.0 + 12.0 * math.log2(max(float(v), 1.0))
+
     for i, sv in enumerate(_values(pts, series)):
         for j, f in enumerate(fmts):
             sel = pts[(pts[series] == sv) & ((fmt == f) if fmt is not None else True)]
             if sel.empty:
                 continue
-            ax.scatter(sel["intensity_flop_per_byte"], sel["achieved_tflops"], s=22,
+            ax.scatter(sel["intensity_flop_per_byte"], sel["achieved_tflops"],
+                       s=[area(v) for v in (sel[size] if sizes != [None] else [None] * len(sel))],
                        color=PALETTE[i % len(PALETTE)], marker=MARKERS[j % len(MARKERS)],
-                       label=f"{sv}" + (f" · {f}" if f else ""), zorder=3)
+                       label=f"{sv}" + (f" · {f}" if f else ""), zorder=3, alpha=0.85,
+                       edgecolors="black", linewidths=0.4)
+    handles, names = ax.get_legend_handles_labels()
+    for v in sizes if sizes != [None] else []:  # the size key, in grey
+        handles.append(ax.scatter([], [], s=area(v), color="0.6", edgecolors="black",
+                                  linewidths=0.4))
+        names.append(_label(size, v))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_ylim(float(pts["achieved_tflops"].min()) / 3, float(tflops.max()) * 2)
-    fig.legend(loc="outside right center")
+    fig.legend(handles, names, loc="outside right center")
     return _finish(fig, df, title or "Roofline: every kernel and shape under the device's "
                    "measured limits", caption, out_dir, name)
 
@@ -507,8 +558,11 @@ def intensity_roofline(df: pd.DataFrame, out_dir: str | Path, *, series: str = "
 @styled
 def comparison_chart(cmp: Any, out_dir: str | Path, *, name: str = "compare",
                      title: str | None = None) -> FigureResult:
-    """A/B per point: speedup A/B as a bar (right of 1 = B faster), its noise band as an error
-    bar, coloured by verdict; points only in one side or incomparable are listed, not drawn."""
+    """A/B per point: speedup A/B as a bar (right of 1 = B faster), its bootstrap interval as
+    whiskers, coloured by verdict; points only in one side or incomparable are counted in the
+    caption, not drawn."""
+    from qsa.workbench.compare import TEST
+
     colors = {"faster": "#2ca02c", "slower": "#d62728", "same": "0.6"}
     t = cmp.table[cmp.table["verdict"].isin(tuple(colors))].reset_index(drop=True)
     varying = [k for k in cmp.keys if cmp.table[k].nunique(dropna=False) > 1] or list(cmp.keys)
@@ -520,23 +574,29 @@ def comparison_chart(cmp: Any, out_dir: str | Path, *, name: str = "compare",
         ax.text(0.5, 0.5, "no comparable point", ha="center", va="center",
                 transform=ax.transAxes, fontsize=8, color="0.4")
     else:
-        err = (t["speedup"] * t["noise_floor"].fillna(0.0)).to_numpy()
+        err = np.vstack([(t["speedup"] - t["speedup_lo"]).clip(lower=0).fillna(0.0),
+                         (t["speedup_hi"] - t["speedup"]).clip(lower=0).fillna(0.0)])
         ax.barh(range(len(t)), t["speedup"] - 1.0, left=1.0, xerr=err,
                 color=[colors[v] for v in t["verdict"]], error_kw={"linewidth": 0.8})
         ax.set_yticks(range(len(t)), labels, fontsize=6.5)
         ax.invert_yaxis()
         ax.axvline(1.0, color="0.2", linewidth=0.8)
-        ax.set_xlabel(f"speedup A/B (A = {cmp.label_a}, B = {cmp.label_b}; right of 1: B "
-                      "faster)")
-        ax.legend(handles=[Patch(color=c, label=f"{v} ({int((t['verdict'] == v).sum())})")
-                           for v, c in colors.items()], loc="lower right")
+        ax.set_xlabel("speedup A/B (right of 1: B faster)")
+        fig.legend(handles=[Patch(color=c, label=f"{v} ({int((t['verdict'] == v).sum())})")
+                            for v, c in colors.items()], loc="outside right center")
     rest = cmp.table[~cmp.table["verdict"].isin(tuple(colors))]
-    caption = (f"{cmp.summary().splitlines()[0]}; not drawn: "
-               + ", ".join(f"{v} {int((rest['verdict'] == v).sum())}"
-                           for v in sorted(set(rest["verdict"]))) if len(rest) else
-               cmp.summary().splitlines()[0])
-    return _finish(fig, cmp.table.assign(us=cmp.table["us_a"]), title or "A/B comparison",
-                   caption, out_dir, name)
+    counts = ", ".join(f"{v} {int((rest['verdict'] == v).sum())}"
+                       for v in sorted(set(rest["verdict"])))
+    device = (cmp.device or {}).get("name") or (cmp.device or {}).get("slug")
+    caption = " · ".join(x for x in (
+        f"bars: median A / median B per point; whiskers: {TEST}; a point is faster or "
+        "slower only when its interval excludes 1",
+        f"not drawn: {counts}" if counts else "",
+        f"device {device}" if device else "") if x)
+    head = title or "A/B comparison" + (f" on {device}" if device else "")
+    return _finish(fig, cmp.table.assign(us=cmp.table["us_a"]),
+                   f"{head}: B = {cmp.label_b} against A = {cmp.label_a}", caption, out_dir,
+                   name)
 
 
 @styled
@@ -544,17 +604,21 @@ def step_stacked_bars(df: pd.DataFrame, out_dir: str | Path, *,
                       x: str | Sequence[str] = ("batch", "context"), stack: str = "kernel",
                       y: str = "us_per_step", totals: pd.DataFrame | None = None,
                       name: str = "step_breakdown", title: str | None = None,
-                      caption: str | None = None) -> FigureResult:
-    """µs per decode step, one bar per x value, stacked by `stack` (largest at the bottom);
-    beside it the same stacks as shares of the step, so small steps stay readable.
+                      caption: str | None = None, unit: str = "decode step") -> FigureResult:
+    """Time per `unit` (a decode step, a prefill chunk), one bar per x value, stacked by
+    `stack` (largest at the bottom); beside it the same stacks as shares, so small steps stay
+    readable.
 
     totals: optional rows with the x columns and `y` (e.g. the graph replay of the whole
-    step), drawn as a marker on each bar: the gap to the bar is launch overhead.
+    step), drawn as a narrow bar beside each stack, each with its own value: the gap between
+    the two is launch overhead.
     """
     xcols = [x] if isinstance(x, str) else list(x)
     _check_columns(df, *xcols, stack, y)
 
     def labels(frame: pd.DataFrame) -> pd.Series:
+        if len(xcols) == 1:  # the axis label names the column
+            return frame[xcols[0]].astype(str)
         return frame[xcols].apply(lambda r: " · ".join(_label(c, r[c]) for c in xcols), axis=1)
 
     data = df.assign(_x=labels(df))
@@ -577,19 +641,23 @@ def step_stacked_bars(df: pd.DataFrame, out_dir: str | Path, *,
         share_bottom += sh
     handles.reverse()  # the legend reads top to bottom, like the stack
     for i, total in enumerate(bottom):
-        ax.text(i, total, _num(total), ha="center", va="bottom", fontsize=7)
+        ax.text(i, total, _duration(total), ha="center", va="bottom", fontsize=7)
     if totals is not None and not totals.empty:
         at = totals.assign(_x=labels(totals)).set_index("_x")[y]
         pos = [order_x.index(k) for k in at.index if k in order_x]
-        handles.append(ax.scatter(pos, [at[order_x[i]] for i in pos], marker="_", s=900,
-                                  color="black", linewidths=2, zorder=3,
-                                  label="graph replay of the whole step"))
+        replay = [float(at[order_x[i]]) for i in pos]
+        bars = ax.bar(np.asarray(pos, float) + 0.45, replay, 0.2, color="white",
+                      edgecolor="black", hatch="///", linewidth=0.8,
+                      label=f"graph replay of the whole {unit}")
+        ax.bar_label(bars, labels=[_duration(v) for v in replay], fontsize=6.5, padding=1)
+        handles.append(bars)
     for a in (ax, share_ax):
         a.set_xticks(range(len(order_x)), order_x, rotation=20 if len(order_x) > 3 else 0)
         a.set_xlabel(" x ".join(xcols))
-        _num_axis(a)
-    ax.set_ylabel("µs per decode step")
-    share_ax.set_ylabel("share of the step (%)")
+    _num_axis(ax, fmt=_duration)
+    _num_axis(share_ax)
+    ax.set_ylabel(f"time per {unit} (stack: sum of kernels)")
+    share_ax.set_ylabel(f"share of the {unit} (%)")
     share_ax.set_ylim(0, 100)
     fig.legend(handles=handles, loc="outside right center")
     return _finish(fig, df, title or "Per-step time by kernel", caption, out_dir, name)
@@ -630,8 +698,8 @@ def candidate_spread(df: pd.DataFrame, out_dir: str | Path, *, name: str = "cand
     ax.barh(y, ok["us"], color=colors, height=0.65,
             xerr=None if lo is None else [lo.to_numpy(), hi.to_numpy()], capsize=2)
     ax.set_yticks(y, labels, fontsize=6.5)
-    ax.set_xlabel("median µs per call (bar: p10-p90)")
-    _num_axis(ax, "x")
+    ax.set_xlabel("median time per call (bar: p10-p90)")
+    _num_axis(ax, "x", _duration)
     failed = int((df["status"] != "ok").sum())
     head = title or "Tuning candidates"
     return _finish(fig, df, f"{head}: {len(ok)} verified, {failed} failed "
@@ -727,8 +795,21 @@ def _decode_scoring(df: pd.DataFrame, out: Path, caption: str) -> list[FigureRes
             figs.append(speedup_heatmap(part, out, name=f"speedup{sfx}", caption=caption,
                                         title=f"Decode scoring: stacked over row-wise{label}"))
         for fsfx, flabel, fpart in _per(part, "index_format") if _has_fractions(part) else ():
-            figs.append(roofline_chart(fpart, out, name=f"roofline{sfx}{fsfx}", caption=caption,
-                                       title=f"Decode scoring roofline{label}{flabel}"))
+            figs += _limits(fpart, out, caption, f"{sfx}{fsfx}", f"Decode scoring{label}{flabel}")
+    return figs
+
+
+def _limits(df: pd.DataFrame, out: Path, caption: str, sfx: str, what: str,
+            series: str = "batch", facet: str = "op") -> list[FigureResult]:
+    """The two charts of how close points run to the device: the roofline proper (where the
+    table has intensities) and the share of each measured ceiling against context."""
+    figs = []
+    if "intensity_flop_per_byte" in df:
+        figs.append(intensity_roofline(df, out, name=f"roofline{sfx}", caption=caption,
+                                       title=f"{what}: roofline"))
+    figs.append(ceiling_share_chart(df, out, name=f"ceiling_share{sfx}", series=series,
+                                    facet=facet, caption=caption,
+                                    title=f"{what}: share of the measured device limits"))
     return figs
 
 
@@ -739,9 +820,7 @@ def _prefill(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
                                        style=None, facet="op", caption=caption,
                                        title=f"Prefill: latency per call{label}"))
         if _has_fractions(part):
-            figs.append(roofline_chart(part, out, name=f"roofline{sfx}", series="rows",
-                                       facet="op", caption=caption,
-                                       title=f"Prefill roofline{label}"))
+            figs += _limits(part, out, caption, sfx, f"Prefill{label}", series="rows")
     return figs
 
 
@@ -758,9 +837,8 @@ def _sparse_gqa_decode(df: pd.DataFrame, out: Path, caption: str) -> list[Figure
                                         caption=caption, title="Sparse GQA decode: FP8 over "
                                         f"BF16 tiles (best split each){label}"))
         if _has_fractions(part):
-            figs.append(roofline_chart(part, out, name=f"roofline{sfx}", series="batch",
-                                       facet="kv_format", caption=caption,
-                                       title=f"Sparse GQA decode roofline{label}"))
+            figs += _limits(part, out, caption, sfx, f"Sparse GQA decode{label}",
+                            facet="kv_format")
     return figs
 
 
@@ -773,7 +851,8 @@ def _config_tuning(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResu
 
 
 def _stacked_steps(df: pd.DataFrame, out: Path, caption: str, split: tuple[str, ...],
-                   x: tuple[str, ...], name: str, what: str) -> list[FigureResult]:
+                   x: tuple[str, ...], name: str, what: str,
+                   unit: str = "decode step") -> list[FigureResult]:
     """Kernel rows stacked as `<kernel> (<phase>)`, one bar per `x` value and one figure per
     `split` combination; the step rows (sum, graph replay) are totals, not parts."""
     figs = []
@@ -786,7 +865,8 @@ def _stacked_steps(df: pd.DataFrame, out: Path, caption: str, split: tuple[str, 
         figs.append(step_stacked_bars(calls, out, x=x,
                                       stack="call" if "call" in calls else "kernel",
                                       totals=replay, name=f"{name}{sfx}", caption=caption,
-                                      title=f"{what}, {part['preset'].iloc[0]}{label}"))
+                                      title=f"{what}, {part['preset'].iloc[0]}{label}",
+                                      unit=unit))
     return figs
 
 
@@ -796,14 +876,58 @@ def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureRes
 
 
 def _step_run(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
-    """A `qsa step` run: decode steps and prefill chunks, each drawn as such."""
+    """A `qsa step` run: decode steps and prefill chunks, each drawn as such, and the format
+    pairs of one shape side by side when there are several."""
     phase = df["step_phase"] if "step_phase" in df else pd.Series("decode", df.index)
     figs = []
     if (phase != "prefill").any():
         figs += _step_breakdown(df[phase != "prefill"], out, caption)
     if (phase == "prefill").any():
         figs += _prefill_step(df[phase == "prefill"], out, caption)
+    return figs + _formats_side_by_side(df, out, caption, "step_formats")
+
+
+def _formats_side_by_side(df: pd.DataFrame, out: Path, caption: str,
+                          name: str) -> list[FigureResult]:
+    """Each step shape measured in several index/KV format pairs: the kernels of every pair
+    stacked side by side, the graph replay of the whole step beside each, so a review sees
+    which kernel a format moved."""
+    if "step_phase" not in df:
+        df = df.assign(step_phase="decode")
+    df = df.assign(**{"index/KV": df["index_format"] + "/" + df["kv_format"]})
+    figs = []
+    for sfx, label, part in _split(df, "step_phase", "preset", "batch", "context",
+                                   "chunk_rows", "mtp"):
+        if part["index/KV"].nunique() < 2:
+            continue
+        prefill = (part["step_phase"] == "prefill").any()
+        unit = "prefill chunk" if prefill else "decode step"
+        first = part.iloc[0]
+        shape = (f"batch {first['batch']} x {_tokens(first['context'])}"
+                 + (f", chunk {int(first['chunk_rows'])} rows" if prefill else
+                    f", MTP {int(first['mtp'])}" if pd.notna(first.get("mtp")) else ""))
+        calls = part[part["phase"] != "step"]
+        figs.append(step_stacked_bars(
+            calls.assign(call=calls["kernel"] + " (" + calls["phase"] + ")"), out,
+            x="index/KV", stack="call", unit=unit, name=f"{name}{sfx}", caption=caption,
+            totals=part[part["kernel"] == "graph replay"],
+            title=f"Time per {unit} by kernel and format, {part['preset'].iloc[0]}, {shape}"))
     return figs
+
+
+def _suite(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
+    """A `qsa bench --suite` run: every point under the device's roofs, and each step entry's
+    format pairs side by side."""
+    record = df["record"] if "record" in df else pd.Series("point", df.index)
+    points, steps = df[record == "point"], df[record == "step"]
+    name = str(df["suite"].iloc[0]) if "suite" in df else "suite"
+    figs = overlap_figures(points, out, caption, title=f"Suite {name}: sparse GQA per-row and "
+                           "shared against the rows' overlap")
+    if "intensity_flop_per_byte" in points:  # a functional run's says it has no roofs
+        figs.append(intensity_roofline(points, out, caption=caption,
+                                       title=f"Suite {name}: every point under the device's "
+                                       "measured roofs"))
+    return figs + (_formats_side_by_side(steps, out, caption, "step") if len(steps) else [])
 
 
 def _tune(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
@@ -864,7 +988,7 @@ def _profile(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
 def _prefill_step(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
     return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch"),
                           ("chunk_rows", "context"), "prefill_step",
-                          "µs per prefill chunk by kernel")
+                          "Time per prefill chunk by kernel", unit="prefill chunk")
 
 
 def _capacity(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
@@ -903,6 +1027,7 @@ RECIPES: dict[str, Recipe] = {
     "tune": _tune,
     "profile": _profile,
     "bench": _bench,
+    "suite": _suite,
     "formats-capacity": _capacity,
     "formats-attention-error": _attention_error,
     "formats-topk-recall": _topk_recall,

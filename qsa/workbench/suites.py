@@ -16,12 +16,15 @@ import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
-import yaml
 
+from qsa.measure.files import load_yaml
 from qsa.presets import DEFAULT_PRESET, ModelPreset, ShapeError, get_preset
+
+if TYPE_CHECKING:
+    from qsa.measure.results import RunWriter
 
 SUITE_DIR = Path(__file__).with_name("suites")
 POINT_AXES = ("op", "batch", "context", "rows", "index_format", "kv_format", "selection",
@@ -129,7 +132,7 @@ def _target(d: dict[str, Any], where: str) -> Target:
 
 
 def parse_suite(text: str, source: str) -> Suite:
-    d = yaml.safe_load(text)
+    d = load_yaml(text, source)
     if not isinstance(d, dict) or "name" not in d:
         raise SuiteError(f"{source}: expected a mapping with a name")
     unknown = set(d) - {"name", "description", "preset", "grids", "steps", "targets"}
@@ -214,14 +217,11 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
             run.flush()
             if on_row:
                 on_row(rec)
-        step_frames = []
         for s in () if verify_only else suite.steps:
-            frames = []
             for df in step_breakdowns(suite.preset, s["batch"], s["context"], s.get("mtp"),
                                       format_pairs(s["formats"]),
                                       phase=s.get("phase", "decode"), rows=s.get("rows"),
                                       overlaps=_listed(s.get("overlap", 0.0))):
-                frames.append(df)
                 for r in df.to_dict("records"):
                     rec = {"record": "step", "suite": suite.name, "preset": suite.preset.name,
                            "batch": s["batch"], "context": s["context"], "mtp": s.get("mtp"),
@@ -230,11 +230,10 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
                     if on_row and r["kernel"] == SUM_ROW:
                         on_row(rec)
                 run.flush()
-            step_frames.append((s, frames))
         rows = pd.DataFrame(run.records)
         results = [] if verify_only else [t.evaluate(rows) for t in suite.targets]
         if not verify_only:
-            _figures(suite, rows, step_frames, run.directory)
+            _figures(run)
         atomic_write_bytes(run.directory / "targets.json",
                            (json.dumps(results, indent=1) + "\n").encode())
         atomic_write_bytes(run.directory / "targets.md",
@@ -242,26 +241,13 @@ def run_suite(suite: Suite, root: str | Path = "profiles",
     return run.directory, results
 
 
-def _figures(suite: Suite, rows: pd.DataFrame,
-             step_frames: list[tuple[dict[str, Any], list[pd.DataFrame]]], out: Path) -> None:
-    """The run's design-review figures next to its results: the roofline of every point, and
-    per step entry its kernels stacked per format pair."""
-    from qsa.workbench.plots import intensity_roofline, overlap_figures
-    from qsa.workbench.step import step_comparison
+def _figures(run: RunWriter) -> None:
+    """The run's design-review figures next to its results (the `suite` recipe of
+    `qsa.workbench.plots`: the roofline of every point, each step's format pairs side by
+    side), captioned from the run's own record (device, versions, commit)."""
+    from qsa.workbench.plots import figures_for
 
-    points = rows[rows["record"] == "point"] if "record" in rows else rows.iloc[0:0]
-    if not points.empty and "intensity_flop_per_byte" in points:
-        intensity_roofline(points, out, title=f"Suite {suite.name}: every point under the "
-                           "device's measured roofs")
-    overlap_figures(points, out, title=f"Suite {suite.name}: sparse GQA per-row and shared "
-                    "against the rows' overlap")
-    for s, frames in step_frames:
-        prefill = s.get("phase") == "prefill"
-        what = f"prefill chunk of {s['rows']} rows" if prefill else "decode step"
-        stem = f"prefill_r{s['rows']}" if prefill else "step"
-        step_comparison(frames, out / f"{stem}_b{s['batch']}_ctx{s['context']}.png",
-                        f"Suite {suite.name}: {what}, batch {s['batch']} x "
-                        f"{s['context']}, MTP {s.get('mtp', suite.preset.mtp_draft_tokens)}")
+    figures_for(pd.DataFrame(run.records), run.meta["kind"], run.directory, [run.meta])
 
 
 def targets_markdown(results: list[dict[str, Any]], run_id: str) -> str:

@@ -89,8 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
+from qsa.measure.files import load_yaml
 from qsa.workbench.notebook_run import (DEFAULT_KERNEL, NotebookError, execute_notebook,
                                         notebook_parameters, notebook_path)
 
@@ -154,7 +153,9 @@ def _resolve_notebook(name: str, spec_dir: Path) -> Path:
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and check a spec: names, grid values, and that every parameter exists."""
     path = Path(path)
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text(), path) or {}
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: expected a mapping of spec keys, got {type(raw).__name__}")
     known = {"name", "notebook", "grid", "parameters", "devices", "workers_per_device",
              "timeout_s", "kernel_name", "env", "report"}
     unknown = sorted(set(raw) - known)
@@ -602,14 +603,15 @@ def _run_point_process(point_dir: Path) -> int:
     """Body of the point runner process: execute the notebook, then write the marker last."""
     from papermill.exceptions import PapermillExecutionError
 
+    from qsa.measure.results import env_toggles
+
     _die_with_parent()
     p = json.loads((point_dir / PARAMS).read_text())
     version, slot, t0 = p["code_version"], p["slot"], time.monotonic()
     started = _utc_now()
     results_root = point_dir / RESULTS_DIR
     common = {"attempt": p["attempt"], "started_at": started,
-              "env": {k: v for k, v in os.environ.items() if k != "QSA_SWEEP_PARENT" and (
-                  k.startswith(("QSA_", "TRITON_")) or k.endswith("VISIBLE_DEVICES"))}}
+              "env": env_toggles()}
     try:
         execute_notebook(p["notebook"], point_dir / EXECUTED,
                          {**p["parameters"], RESULTS_PARAM: str(results_root)},

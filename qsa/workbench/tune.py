@@ -107,22 +107,36 @@ def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig, bucket: int
     return list(seeds.values())[:MAX_SEEDS]
 
 
+def config_axes(base: BlockConfig, backend: str, arch: str = "") -> dict[str, tuple[int, ...]]:
+    """The values each config key takes in the search around `base`: every integer meta key
+    of the entry (`_neighbours`), then `num_warps`, `num_stages` and, on HIP, `waves_per_eu`.
+    The search (`config_space`) and the interactive controls (`qsa.workbench.interactive`)
+    both read it."""
+    keys = sorted(k for k, v in base.meta.items()
+                  if isinstance(v, int) and not isinstance(v, bool) and k not in HELD_KEYS)
+    axes = {k: _neighbours(k, base.meta[k], backend, arch) for k in keys}
+    # The fixed warp counts, and like every size half and double the entry's own: a kernel
+    # whose entry runs 16 warps (top-k over long rows) is searched around 16.
+    around = {base.num_warps // 2, base.num_warps, base.num_warps * 2}
+    axes["num_warps"] = tuple(sorted(w for w in set(WARPS) | around if _launchable(w, backend)))
+    axes["num_stages"] = STAGES.get(backend, (base.num_stages,))
+    if backend == "hip":
+        axes["waves_per_eu"] = WAVES_PER_EU
+    return axes
+
+
 def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48,
                  arch: str = "", seeds: list[BlockConfig] = ()) -> list[BlockConfig]:
     """Candidates around `base`, the fewest changes first, the base itself first of all, then
     `seeds` (other table entries, `table_seeds`). `arch` ("sm90", "gfx950", ...) decides which
     switches the device can take."""
-    keys = sorted(k for k, v in base.meta.items()
-                  if isinstance(v, int) and not isinstance(v, bool) and k not in HELD_KEYS)
-    axes = [_neighbours(k, base.meta[k], backend, arch) for k in keys]
-    # The fixed warp counts, and like every size half and double the entry's own: a kernel
-    # whose entry runs 16 warps (top-k over long rows) is searched around 16.
-    around = {base.num_warps // 2, base.num_warps, base.num_warps * 2}
-    warps = tuple(sorted(w for w in set(WARPS) | around if _launchable(w, backend)))
-    stages = STAGES.get(backend, (base.num_stages,))
-    waves = WAVES_PER_EU if backend == "hip" else (None,)
+    axes = config_axes(base, backend, arch)
+    keys = [k for k in axes if k in base.meta]
+    warps, stages = axes["num_warps"], axes["num_stages"]
+    waves = axes.get("waves_per_eu", (None,))
     out = []
-    for vals, w, s, we in itertools.product(itertools.product(*axes), warps, stages, waves):
+    for vals, w, s, we in itertools.product(itertools.product(*(axes[k] for k in keys)), warps,
+                                            stages, waves):
         amd = dict(base.amd)
         if we is not None:
             amd["waves_per_eu"] = we
