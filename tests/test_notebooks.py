@@ -19,7 +19,7 @@ nbformat = pytest.importorskip("nbformat", reason="notebook tooling (nbformat) n
 from qsa.measure.results import load_runs, start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench.sweep import load_sweep, run_sweep
-from support import DEVICE
+from support import DEVICE, FakeDevice
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_GPU = DEVICE != "cpu"
@@ -97,15 +97,7 @@ def test_design_review_draws_every_stored_kind(workdir: Path) -> None:
     """Runs after the measuring notebooks on their results, plus one stored GPU-style run."""
     root = workdir / "profiles"
 
-    class H200:
-        slug = "nvidia-h200"
-        torch_version = "2.11.0"
-        triton_version = "3.6.0"
-
-        def as_record(self) -> dict:
-            return {"slug": self.slug, "name": "NVIDIA H200"}
-
-    with start_run("decode-scoring", root=root, device=H200()) as gpu_run:
+    with start_run("decode-scoring", root=root, device=FakeDevice()) as gpu_run:
         for op, us in (("score_rowwise", 40.0), ("score_stacked", 10.0)):
             for c in (8192, 32768):
                 gpu_run.add({"op": op, "preset": "qwen3.8-flash-next", "batch": 8,

@@ -25,6 +25,7 @@ import yaml
 from qsa.measure.results import start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench import sweep as sw
+from support import FakeDevice
 
 FIXTURE = Path(__file__).parent / "fixtures" / "notebooks" / "sweep_point.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -50,20 +51,11 @@ def resume_line(spec: Path, out: Path, jobs: int) -> str:
     return f"qsa sweep {spec.resolve()} --out {out.resolve()} --jobs {jobs}"
 
 
-class FakeDevice:
-    slug = "test-device"
-    torch_version = "n/a"
-    triton_version = "n/a"
-
-    def as_record(self) -> dict:
-        return {"slug": self.slug, "name": "test device"}
-
-
 def passed_point(point: sw.SweepPoint, version: str) -> None:
     """A point as its runner leaves it after passing (results, manifest, then marker), without
     running a notebook."""
     with start_run("sweep-fixture", root=point.directory / sw.RESULTS_DIR,
-                   device=FakeDevice()) as run:
+                   device=FakeDevice("test-device", "test device")) as run:
         run.add({"op": "fixture", "value": point.parameters["value"], "us": 1.0})
     digest = sw.write_manifest(point.directory)
     marker = sw._marker(point, version, "cpu#0", "passed", manifest_sha256=digest)
