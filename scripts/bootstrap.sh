@@ -35,7 +35,7 @@ if sys.prefix != sys.base_prefix:
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.qsa-installed"
-extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh adds cluster (ray) for the Ray sweep tests
+extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh --full adds cluster (ray) for the Ray sweep tests
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$vpy" -c "import torch" >/dev/null 2>&1; then

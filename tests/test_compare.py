@@ -138,6 +138,7 @@ def test_compare_runs_names_the_env_toggle_that_differs(tmp_path: Path,
     assert c.geomean_speedup == pytest.approx(100 / 60)
 
 
+@pytest.mark.slow
 def test_sweep_folders_compare_point_by_point(tmp_path):
     """`qsa compare` on two sweep folders: every passed point of each, matched on its shape."""
     from qsa.workbench import sweep as sw

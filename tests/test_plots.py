@@ -226,6 +226,7 @@ def test_figures_script_finds_runs_below_a_folder(tmp_path: Path) -> None:
     assert (run.directory / "figures" / "attention_error.svg").is_file()
 
 
+@pytest.mark.slow
 def test_recipes_never_mix_presets_in_one_figure(tmp_path: Path) -> None:
     one = decode_table()
     two = one.assign(preset="qwen3.8-flash-next-tp2", us=one["us"] / 2)

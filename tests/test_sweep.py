@@ -241,6 +241,7 @@ def test_no_gpu_falls_back_to_cpu_slots(monkeypatch: pytest.MonkeyPatch) -> None
 # --- real runs ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, grid={"value": [1, 2, 3]}, parameters={"fail_values": [2]})
     summary = sw.run_sweep(spec, tmp_path / "out", jobs=2, progress=False)
@@ -273,6 +274,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert (again.passed, again.failed, again.skipped) == (0, 1, 2)
 
 
+@pytest.mark.slow
 def test_damaged_results_are_measured_again_not_shown(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     spec = write_spec(tmp_path, grid={"value": [2, 3]})
@@ -320,6 +322,7 @@ def test_a_second_run_into_a_held_folder_is_refused(tmp_path: Path) -> None:
     assert not (sweep_dir / sw.SWEEP_META).exists() and not (sweep_dir / "points").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_duplicates_or_losses(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     values = [1, 2, 3, 4]
