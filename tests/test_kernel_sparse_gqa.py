@@ -192,7 +192,8 @@ def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) 
 @pytest.mark.parametrize("per", [pytest.param(2, marks=pytest.mark.slow), 4,
                                  pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("block_size", "group", "shape"),
-                         [(16, 12, PREFILL), (64, 12, DECODE), (16, 1, DECODE)])
+                         [pytest.param(16, 12, PREFILL, marks=pytest.mark.slow), (64, 12, DECODE),
+                          (16, 1, DECODE)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_prefill_row_blocks(kv_format: str, block_size: int, group: int, shape: tuple,
                             per: int) -> None:
