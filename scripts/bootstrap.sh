@@ -40,7 +40,7 @@ if sys.prefix != sys.base_prefix:
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.qsa-installed"
-extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh adds cluster (ray) for the Ray sweep tests
+extras="${QSA_EXTRAS:-dev}"  # scripts/test.sh --full adds cluster (ray) for the Ray sweep tests
 constraints="$root/constraints.txt"
 want="$(cat "$root/pyproject.toml" "$constraints" | sha256sum | cut -d' ' -f1) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

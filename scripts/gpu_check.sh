@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs everything that needs a GPU: the GPU-marked tests (real bf16 / FP8 numerics at larger
 # shapes), the device ceilings, the kernel benchmarks and, where compute-sanitizer is found,
-# the kernels under its memory checker. Usage:
+# the kernels under its memory checker; without --quick also the slow tests that the default
+# CPU lane leaves to `scripts/test.sh --full`. Usage:
 #   scripts/gpu_check.sh OUT_DIR [--quick]
 # Uses the python on PATH as it is (GPU hosts bring their own torch/triton builds); results land
 # in OUT_DIR and, through the results store, under profiles/<device>/.
@@ -31,6 +32,8 @@ EOF
 cat "$out/env.txt"
 step ceilings python3 -m qsa.cli ceilings --measure
 step gpu_tests python3 -m pytest -m "gpu or on_gpu_too" -q -p no:cacheprovider
+# The slow lane (`scripts/test.sh --full` less what the default lane runs), with this python.
+[ -z "$quick" ] && step slow_tests python3 -m pytest -m "slow and not gpu" -q -p no:cacheprovider
 # Benchmarks: the workbench's suites (results store under profiles/, targets.json and
 # targets.md next to each run), then the page-offload benchmark, which is not a kernel op.
 # --quick runs the headline suite only.

@@ -81,3 +81,16 @@ def compile_for_gpu_targets(module: str, kernel: str, variants: list) -> None:
     res = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+class FakeDevice:
+    """What `qsa.measure.results.start_run` reads of a `DeviceInfo` (slug, versions, the record
+    stored in run.json), for tests that write a run as if a given device had made it."""
+
+    def __init__(self, slug: str = "nvidia-h200", name: str = "NVIDIA H200",
+                 torch_version: str = "2.11.0", triton_version: str = "3.6.0") -> None:
+        self.slug, self.name = slug, name
+        self.torch_version, self.triton_version = torch_version, triton_version
+
+    def as_record(self) -> dict:
+        return {"slug": self.slug, "name": self.name}

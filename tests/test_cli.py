@@ -84,6 +84,7 @@ def test_without_a_gpu_bench_chooses_the_interpreter_itself(tmp_path):
     assert df["verified"].all() and df["functional_only"].all()
 
 
+@pytest.mark.slow
 def test_notebook_runs_a_py_notebook_with_parameters_and_refuses_typos(tmp_path):
     nb = "tests/fixtures/notebooks/sweep_point.py"
     out = tmp_path / "run.ipynb"

@@ -12,6 +12,7 @@ import pytest
 
 from qsa.measure.results import start_run
 from qsa.workbench import compare as cmp
+from support import FakeDevice
 
 SHAPE = {"op": "score_stacked", "preset": "qwen3.8-flash-next", "rows": 4,
          "index_format": "bf16", "kv_format": "bf16"}
@@ -136,21 +137,12 @@ def test_latest_per_point_keeps_the_newest_run_of_each_point() -> None:
         (1, 90.0, 1), (1, 90.0, 2), (2, 70.0, 1)]
 
 
-class _Device:
-    slug = "nvidia-h200"
-    torch_version = "2.11.0"
-    triton_version = "3.6.0"
-
-    def as_record(self) -> dict:
-        return {"slug": self.slug, "name": "NVIDIA H200"}
-
-
 def test_compare_runs_names_the_env_toggle_that_differs(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     dirs = []
     for flag, us in (("0", 100.0), ("1", 60.0)):
         monkeypatch.setenv("QSA_STACKED_DECODE_SCORER", flag)
-        with start_run("decode-scoring", root=tmp_path, device=_Device()) as run:
+        with start_run("decode-scoring", root=tmp_path, device=FakeDevice()) as run:
             run.add_many([rec(1, 8192, us), rec(8, 8192, us * 2)])
         dirs.append(run.directory)
     c, diff = cmp.compare_runs(*dirs)
@@ -162,6 +154,7 @@ def test_compare_runs_names_the_env_toggle_that_differs(tmp_path: Path,
     assert c.geomean_speedup == pytest.approx(100 / 60)
 
 
+@pytest.mark.slow
 def test_sweep_folders_compare_point_by_point(tmp_path):
     """`qsa compare` on two sweep folders: every passed point of each, matched on its shape."""
     from qsa.workbench import sweep as sw

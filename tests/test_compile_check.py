@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from qsa.configs import TABLE_DIR
 
@@ -22,6 +23,7 @@ def _check(out: Path, *args: str, env: dict | None = None) -> subprocess.Complet
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_sparse_gqa_configs_compile_for_sm90_and_gfx950(tmp_path):
     out = tmp_path / "cc.csv"
     res = _check(out, "--arch", "sm90,gfx950", "--ops", "sparse_gqa_decode")
@@ -38,6 +40,7 @@ def test_sparse_gqa_configs_compile_for_sm90_and_gfx950(tmp_path):
     assert df["kernel"].str.contains("FP8True").any()
 
 
+@pytest.mark.slow
 def test_the_prefill_decode_once_path_is_compiled_too(tmp_path):
     """Long prefill contexts decode FP8/MXFP4 keys once and score the scratch with the BF16
     entry's tiles; the smoke shapes are short, so the check forces that path once per format,
@@ -54,6 +57,7 @@ def test_the_prefill_decode_once_path_is_compiled_too(tmp_path):
         assert any(f"FMT{fmt}_TILE_FMTdense" in n for n in names)
 
 
+@pytest.mark.slow
 def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):
     tables = tmp_path / "tables"
     shutil.copytree(TABLE_DIR, tables)
@@ -78,6 +82,7 @@ def test_an_unknown_arch_is_refused_by_name(tmp_path):
     assert res.returncode == 2 and "sm100" in res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_each_target_compiles_in_its_own_process(tmp_path):
     """Triton 3.6 keeps target-dependent state per process: with gfx950 compiled first in the
     same process, gfx942's FP8 (e4m3fnuz) conversions of the K/V store failed an assertion of

@@ -93,7 +93,7 @@ def _reference(case: Case, ids: torch.Tensor, kv_format: str) -> torch.Tensor:
 @pytest.mark.interp_surrogate
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("group", [12, 1])
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_decode_matches_reference(kv_format: str, block_size: int, group: int,
                                   splits: int) -> None:
@@ -123,7 +123,7 @@ def test_merge_last_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.interp_surrogate
-@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("splits", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_decode_last_split_merges(kv_format: str, splits: int,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +143,7 @@ def test_decode_last_split_merges(kv_format: str, splits: int,
 
 
 @pytest.mark.interp_surrogate
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_decode_pv_halves(kv_format: str, splits: int) -> None:
     """PV_HALVES: the PV product over each half of the head dim in turn (two accumulators
@@ -177,7 +177,9 @@ def test_pdl_is_refused_without_programmatic_dependent_launch(
 
 
 @pytest.mark.interp_surrogate
-@pytest.mark.parametrize(("block_size", "group"), [(16, 12), (64, 12), (16, 1)])
+@pytest.mark.parametrize(("block_size", "group"), [pytest.param(16, 12, marks=pytest.mark.slow),
+                                                   (64, 12),
+                                                   pytest.param(16, 1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) -> None:
     case, ids = _case(kv_format, group, block_size, PREFILL)
@@ -187,9 +189,11 @@ def test_prefill_matches_reference(kv_format: str, block_size: int, group: int) 
 
 
 @pytest.mark.interp_surrogate
-@pytest.mark.parametrize("per", [2, 4, 8])
+@pytest.mark.parametrize("per", [pytest.param(2, marks=pytest.mark.slow), 4,
+                                 pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("block_size", "group", "shape"),
-                         [(16, 12, PREFILL), (64, 12, DECODE), (16, 1, DECODE)])
+                         [pytest.param(16, 12, PREFILL, marks=pytest.mark.slow), (64, 12, DECODE),
+                          (16, 1, DECODE)])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_prefill_row_blocks(kv_format: str, block_size: int, group: int, shape: tuple,
                             per: int) -> None:

@@ -252,6 +252,7 @@ def test_errors() -> None:
             pytest.fail(f"no error for {what}")
 
 
+@pytest.mark.slow
 def test_topk_compiles_for_gpu_targets() -> None:
     sig = {"scores_ptr": "*fp32", "s_stride": "i32", "out_ptr": "*i32", "o_stride": "i32",
            "pos_ptr": "*i32", "ctx_ptr": "*i32", "qs_ptr": "*i32", "batch": "i32",

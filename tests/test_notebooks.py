@@ -19,7 +19,7 @@ nbformat = pytest.importorskip("nbformat", reason="notebook tooling (nbformat) n
 from qsa.measure.results import load_runs, start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench.sweep import load_sweep, run_sweep
-from support import DEVICE
+from support import DEVICE, FakeDevice
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_GPU = DEVICE != "cpu"
@@ -65,7 +65,9 @@ def test_the_notebook_set_is_the_one_tested() -> None:
     assert set(NOTEBOOKS) == set(KINDS) | {"design_review"}
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", [  # one notebook in the default lane, the rest with --full
+    n if n == "block_config_tuning" else pytest.param(n, marks=pytest.mark.slow)
+    for n in sorted(KINDS)])
 def test_notebook_runs_with_cpu_defaults_and_files_results(name: str, workdir: Path) -> None:
     root = workdir / "profiles"
     nb = run(name, workdir, results_root=str(root))
@@ -93,19 +95,12 @@ def test_notebook_runs_with_cpu_defaults_and_files_results(name: str, workdir: P
             assert ("times mean nothing" in svg) == (timed and not HAS_GPU)
 
 
+@pytest.mark.slow
 def test_design_review_draws_every_stored_kind(workdir: Path) -> None:
     """Runs after the measuring notebooks on their results, plus one stored GPU-style run."""
     root = workdir / "profiles"
 
-    class H200:
-        slug = "nvidia-h200"
-        torch_version = "2.11.0"
-        triton_version = "3.6.0"
-
-        def as_record(self) -> dict:
-            return {"slug": self.slug, "name": "NVIDIA H200"}
-
-    with start_run("decode-scoring", root=root, device=H200()) as gpu_run:
+    with start_run("decode-scoring", root=root, device=FakeDevice()) as gpu_run:
         for op, us in (("score_rowwise", 40.0), ("score_stacked", 10.0)):
             for c in (8192, 32768):
                 gpu_run.add({"op": op, "preset": "qwen3.8-flash-next", "batch": 8,
@@ -129,11 +124,13 @@ def test_design_review_draws_every_stored_kind(workdir: Path) -> None:
     assert "NVIDIA H200" in gpu_svg and "times mean nothing" not in gpu_svg
 
 
+@pytest.mark.slow
 def test_design_review_with_no_results_says_so(workdir: Path) -> None:
     nb = run("design_review", workdir / "empty", results_root=str(workdir / "nothing"))
     assert "no finished runs" in outputs_text(nb)
 
 
+@pytest.mark.slow
 def test_readme_cpu_sweep_produces_notebooks_table_and_figures(tmp_path: Path) -> None:
     summary = run_sweep(REPO / "sweeps" / "decode_scoring_cpu.yaml", tmp_path, progress=False)
     assert summary.ok and (summary.passed, summary.failed) == (2, 0), str(summary)
@@ -223,6 +220,7 @@ def test_decode_notebook_on_gpu_times_with_graphs_and_rooflines(tmp_path: Path) 
                      .round(2).reset_index().to_dict("records")))
 
 
+@pytest.mark.slow
 def test_tuning_notebook_tries_given_configs_against_the_current_entry(workdir: Path) -> None:
     root = workdir / "given-configs"
     nb = run("block_config_tuning", workdir, results_root=str(root),

@@ -15,6 +15,7 @@ from matplotlib.patches import Rectangle
 
 from qsa.measure.results import start_run
 from qsa.workbench import plots
+from support import FakeDevice
 
 BATCHES = (1, 4, 16)
 CONTEXTS = (8192, 32768, 131072)
@@ -233,16 +234,8 @@ def test_grouped_bars_one_bar_per_group_and_x(tmp_path: Path) -> None:
 
 
 def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
-    class Device:
-        slug = "nvidia-h200"
-        torch_version = "2.11.0"
-        triton_version = "3.6.0"
-
-        def as_record(self) -> dict:
-            return {"slug": self.slug, "name": "NVIDIA H200"}
-
     records = decode_table().drop(columns=["run_id", "device", "kind"]).to_dict("records")
-    with start_run("decode-scoring", root=tmp_path, device=Device()) as run:
+    with start_run("decode-scoring", root=tmp_path, device=FakeDevice()) as run:
         run.add_many(records)
     paths = plots.figures_for_run(run.directory)
     names = sorted(p.name for p in paths)
@@ -260,14 +253,7 @@ def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
 def test_figures_script_finds_runs_below_a_folder(tmp_path: Path) -> None:
     import runpy
 
-    class Device:
-        slug = "nvidia-h200"
-        torch_version = triton_version = "x"
-
-        def as_record(self) -> dict:
-            return {"slug": self.slug, "name": "H200"}
-
-    with start_run("formats-attention-error", root=tmp_path, device=Device()) as run:
+    with start_run("formats-attention-error", root=tmp_path, device=FakeDevice()) as run:
         run.add_many([{"context": c, "fp8_dtype": "float8_e4m3fn", "rel_err_mean": 0.05,
                        "rel_err_min": 0.04, "rel_err_max": 0.06} for c in (1024, 4096)])
     script = Path(__file__).resolve().parents[1] / "scripts" / "figures.py"
@@ -276,6 +262,7 @@ def test_figures_script_finds_runs_below_a_folder(tmp_path: Path) -> None:
     assert (run.directory / "figures" / "attention_error.svg").is_file()
 
 
+@pytest.mark.slow
 def test_recipes_never_mix_presets_in_one_figure(tmp_path: Path) -> None:
     one = decode_table()
     two = one.assign(preset="qwen3.8-flash-next-tp2", us=one["us"] / 2)

@@ -25,6 +25,7 @@ import yaml
 from qsa.measure.results import start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench import sweep as sw
+from support import FakeDevice
 
 FIXTURE = Path(__file__).parent / "fixtures" / "notebooks" / "sweep_point.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -50,20 +51,11 @@ def resume_line(spec: Path, out: Path, jobs: int) -> str:
     return f"qsa sweep {spec.resolve()} --out {out.resolve()} --jobs {jobs}"
 
 
-class FakeDevice:
-    slug = "test-device"
-    torch_version = "n/a"
-    triton_version = "n/a"
-
-    def as_record(self) -> dict:
-        return {"slug": self.slug, "name": "test device"}
-
-
 def passed_point(point: sw.SweepPoint, version: str) -> None:
     """A point as its runner leaves it after passing (results, manifest, then marker), without
     running a notebook."""
     with start_run("sweep-fixture", root=point.directory / sw.RESULTS_DIR,
-                   device=FakeDevice()) as run:
+                   device=FakeDevice("test-device", "test device")) as run:
         run.add({"op": "fixture", "value": point.parameters["value"], "us": 1.0})
     digest = sw.write_manifest(point.directory)
     marker = sw._marker(point, version, "cpu#0", "passed", manifest_sha256=digest)
@@ -249,6 +241,7 @@ def test_no_gpu_falls_back_to_cpu_slots(monkeypatch: pytest.MonkeyPatch) -> None
 # --- real runs ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, grid={"value": [1, 2, 3]}, parameters={"fail_values": [2]})
     summary = sw.run_sweep(spec, tmp_path / "out", jobs=2, progress=False)
@@ -281,6 +274,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert (again.passed, again.failed, again.skipped) == (0, 1, 2)
 
 
+@pytest.mark.slow
 def test_damaged_results_are_measured_again_not_shown(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     spec = write_spec(tmp_path, grid={"value": [2, 3]})
@@ -328,6 +322,7 @@ def test_a_second_run_into_a_held_folder_is_refused(tmp_path: Path) -> None:
     assert not (sweep_dir / sw.SWEEP_META).exists() and not (sweep_dir / "points").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_duplicates_or_losses(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     values = [1, 2, 3, 4]

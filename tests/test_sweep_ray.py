@@ -31,6 +31,7 @@ def _runs(sweep_dir: Path) -> dict[str, list[str]]:
             for p in sorted((sweep_dir / "points").iterdir())}
 
 
+@pytest.mark.slow
 def test_a_ray_sweep_records_every_point_and_its_node(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, grid={"value": [1, 2, 3]}, parameters={"fail_values": [2]})
     out = tmp_path / "out"
@@ -50,6 +51,7 @@ def test_a_ray_sweep_records_every_point_and_its_node(tmp_path: Path) -> None:
     assert (sweep_dir / "results.parquet").is_file()
 
 
+@pytest.mark.slow
 def test_a_killed_ray_driver_resumes_with_no_point_lost_or_run_twice(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, grid={"value": [1, 2, 3, 4]},
                       parameters={"delay_s": 8.0, "fast_values": [1]})
@@ -77,6 +79,7 @@ def test_a_killed_ray_driver_resumes_with_no_point_lost_or_run_twice(tmp_path: P
     assert first["finished_at"] < meta["started_at"]  # kept, not run again
 
 
+@pytest.mark.slow
 def test_tune_all_on_a_ray_cluster_tunes_each_coordinate_once_on_a_worker(tmp_path, monkeypatch):
     """Each point is located by a worker; each distinct coordinate is tuned as one task (its
     candidates in one process); nothing is written from interpreter timings."""

@@ -61,6 +61,7 @@ def test_prefill_calls_are_one_chunk_through_every_layer():
         step_mod.step_calls(p, 3, "bf16", "bf16", phase="verify")
 
 
+@pytest.mark.slow
 def test_prefill_breakdown_sums():
     df = step_mod.step_breakdown(TINY, batch=1, context=48, mtp=1, samples=1, phase="prefill",
                                  rows=16)
@@ -316,6 +317,7 @@ def test_a_winner_the_fresh_process_does_not_confirm_is_not_written(monkeypatch,
                           recheck=lambda cur, win: pytest.fail("re-checked a non-winner"))
 
 
+@pytest.mark.slow
 def test_tune_with_write_rechecks_the_winner_in_another_process(monkeypatch, tmp_path):
     """The tuner's write path hands the re-check the point and both configs; the re-check
     itself runs in a child process that verifies and times each config twice."""
@@ -357,8 +359,9 @@ def test_tune_with_write_rechecks_the_winner_in_another_process(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("op", [
-    "score_stacked", "score_rowwise", "score_prefill", "topk_expand", "compress", "kv_store",
-    "sparse_gqa_decode", "sparse_gqa_prefill"])
+    "score_stacked", pytest.param("score_rowwise", marks=pytest.mark.slow), "score_prefill",
+    "topk_expand", "compress", "kv_store", pytest.param("sparse_gqa_decode", marks=pytest.mark.slow),
+    pytest.param("sparse_gqa_prefill", marks=pytest.mark.slow)])
 def test_a_tuned_entry_is_the_one_the_kernel_then_runs(op, monkeypatch, tmp_path):
     """The whole loop on the interpreter: tune a tiny space, write the winner where the tuner
     says, then run the kernel with its table config and see which entry it resolved. The
@@ -440,6 +443,7 @@ def test_step_formats_option_refuses_bad_pairs():
         _format_pairs("fp8/mxfp4")
 
 
+@pytest.mark.slow
 def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeypatch, tmp_path):
     import torch
     import triton
