@@ -221,6 +221,13 @@ def make_case(spec: CaseSpec, device: torch.device | str = "cpu") -> Case:
                 measured, raw_rows, k_new, v_new)
 
 
+def selection_generator(seed: int) -> torch.Generator:
+    """The generator random selections draw from: on the CPU, whatever device the case is on,
+    so a trace synthesized on a CPU (`qsa trace synth --seed S`) holds the selections a GPU
+    run with seed S times."""
+    return torch.Generator().manual_seed(seed + 9)
+
+
 def random_selection(batch: PagedBatch, preset: ModelPreset, gen: torch.Generator,
                      overlap: float = 0.0) -> tuple[torch.Tensor, float]:
     """Selections for sparse attention without the index path: every row picks
@@ -230,7 +237,7 @@ def random_selection(batch: PagedBatch, preset: ModelPreset, gen: torch.Generato
     Returns the ids and the measured Jaccard."""
     vis = visible_groups(batch)
     g = int(vis.max())
-    keys = torch.rand((batch.num_rows, g), generator=gen, device=vis.device)
+    keys = torch.rand((batch.num_rows, g), generator=gen, device=gen.device).to(vis.device)
     normal = torch.special.ndtri(keys.clamp(1e-7, 1 - 1e-7).double()).float()  # same order
     unseen = torch.arange(g, device=vis.device)[None, :] >= vis[:, None]
     k = min(preset.topk_groups, g)

@@ -268,13 +268,13 @@ def synth_trace(preset: ModelPreset, batch: int, context: int, rows: int, overla
     """A synthetic trace in the same format: `batch` requests of `context` tokens whose last
     `rows` rows select random groups overlapping by `overlap` (calibrated per layer, as
     `qsa bench --selection random --overlap` does). For tests and demos."""
-    from qsa.cases import CaseSpec, make_batch, random_selection
+    from qsa.cases import CaseSpec, make_batch, random_selection, selection_generator
 
     if not 1 <= layers <= len(preset.qsa_layers):
         raise TraceError(f"layers: {layers} is outside 1..{len(preset.qsa_layers)}")
     spec = CaseSpec.decode(preset, batch, context, rows, seed=seed)
     b = make_batch(spec, torch.Generator().manual_seed(seed), "cpu")
-    gen = torch.Generator().manual_seed(seed + 7)
+    gen = selection_generator(seed)
     vis = torch.minimum((b.positions.long() + 1) // 4, b.context_lens.long()[b.row_request] // 4)
     per_layer = []
     for _ in range(layers):

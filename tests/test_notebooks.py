@@ -26,6 +26,7 @@ HAS_GPU = DEVICE != "cpu"
 NOTEBOOKS = sorted(p.stem for p in (REPO / "notebooks").glob("*.py"))
 # The run kinds each measuring notebook files, and whether their rows are timings.
 KINDS = {
+    "selection_overlap": {"bench": True, "step": True},
     "decode_scoring_sweep": {"decode-scoring": True},
     "prefill_sweep": {"prefill": True, "prefill-step": True},
     "sparse_gqa_decode": {"sparse-gqa-decode": True},

@@ -395,12 +395,6 @@ def test_a_trace_point_replays_the_traces_selections(tmp_path, replayed_ids):
                   overlap=0.5)
 
 
-TRACE_TARGET_BUG = ("qsa.workbench.ops: a trace point's record takes overlap_target from "
-                    "prep.inputs (ov.measure(...).as_record(point.overlap), 0.0 for a trace), "
-                    "which overrides Point.as_record's None")
-
-
-@pytest.mark.xfail(strict=True, reason=TRACE_TARGET_BUG)
 def test_a_trace_record_has_no_overlap_target(tmp_path):
     """A trace's selections were not made for a target: its rows must not claim one (a suite
     target `where: {overlap_target: 0.0}` would pick them as independent rows)."""
@@ -414,12 +408,6 @@ def test_a_trace_record_has_no_overlap_target(tmp_path):
     assert rec["overlap_target"] is None, rec["overlap_target"]
 
 
-SYNTH_SEED_BUG = ("qsa.trace.synth_trace draws its selections from Generator(seed + 7) "
-                  "directly, while ops._prepare_attention first draws q from that generator "
-                  "and only then calls random_selection: the selections differ")
-
-
-@pytest.mark.xfail(strict=True, reason=SYNTH_SEED_BUG)
 @pytest.mark.parametrize("op", ["sparse_gqa_decode"])
 def test_a_replayed_synthetic_trace_reproduces_the_overlap_run(tmp_path, replayed_ids, op):
     """docs/traces.md: a trace written by `qsa trace synth --overlap J --seed S` holds the same

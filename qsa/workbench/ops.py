@@ -20,7 +20,7 @@ import torch
 from qsa import overlap as ov
 from qsa.arena.fields import kv_field_names
 from qsa.cases import (Case, CaseSpec, make_batch, make_case, poison_, random_selection,
-                       touched_kv_pool)
+                       selection_generator, touched_kv_pool)
 from qsa.configs import BlockConfig
 from qsa.formats import dequantize_index
 from qsa.kernels.common import Lookup, observe_lookups
@@ -439,7 +439,7 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
         if point.trace is not None:
             ids = trace.token_ids(point.trace_layer, device)
         else:
-            ids, _ = random_selection(full, p, gen, point.overlap)
+            ids, _ = random_selection(full, p, selection_generator(point.seed), point.overlap)
         batch, pools = touched_kv_pool(full, ids, p, (fmt,), point.seed + 8,
                                        dev.fp8_dtype or torch.float8_e4m3fn)
         cache = pools[fmt]
@@ -456,7 +456,8 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     # Per call, from the union these ids make: the per-row or the shared path.
     plan = sparse_gqa.plan_sharing(ids, batch, p, fmt, cache["k"].shape[0], prefill=prefill)
     shared = plan.shared if point.sharing == "auto" else point.sharing == "shared"
-    inputs = {**ov.measure(ids, batch, plan.rows).as_record(point.overlap),
+    inputs = {**ov.measure(ids, batch, plan.rows).as_record(
+                  None if point.trace else point.overlap),
               "path": "shared" if shared else "per-row",
               "share_max_union": plan.max_union_ratio}
 

@@ -871,7 +871,8 @@ def _stacked_steps(df: pd.DataFrame, out: Path, caption: str, split: tuple[str, 
 
 
 def _step_breakdown(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
-    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "mtp"),
+    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "mtp",
+                                             "overlap_target"),
                           ("batch", "context"), "step_breakdown", "Per-step µs by kernel")
 
 
@@ -897,7 +898,7 @@ def _formats_side_by_side(df: pd.DataFrame, out: Path, caption: str,
     df = df.assign(**{"index/KV": df["index_format"] + "/" + df["kv_format"]})
     figs = []
     for sfx, label, part in _split(df, "step_phase", "preset", "batch", "context",
-                                   "chunk_rows", "mtp"):
+                                   "chunk_rows", "mtp", "overlap_target"):
         if part["index/KV"].nunique() < 2:
             continue
         prefill = (part["step_phase"] == "prefill").any()
@@ -986,7 +987,8 @@ def _profile(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
 
 
 def _prefill_step(df: pd.DataFrame, out: Path, caption: str) -> list[FigureResult]:
-    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch"),
+    return _stacked_steps(df, out, caption, ("preset", "index_format", "kv_format", "batch",
+                                             "overlap_target"),
                           ("chunk_rows", "context"), "prefill_step",
                           "Time per prefill chunk by kernel", unit="prefill chunk")
 
