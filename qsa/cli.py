@@ -51,10 +51,22 @@ def _kernels_start() -> None:
 @app.callback()
 def _setup(ctx: typer.Context,
            verbose: bool = typer.Option(False, "--verbose", "-v",
-                                        help="debug logging, and tracebacks for errors")) -> None:
-    """Runs before every command: logging, and the Triton interpreter on a machine without a
-    GPU (kernels then run on the CPU; every timing is labelled functional only)."""
+                                        help="debug logging, and tracebacks for errors"),
+           figure_formats: Optional[str] = typer.Option(
+               None, "--figure-formats", help="formats of the figures written, e.g. "
+               "png,svg,pdf (default png)")) -> None:
+    """Runs before every command: logging, the figure formats, and the Triton interpreter on a
+    machine without a GPU (kernels then run on the CPU; every timing is labelled functional
+    only)."""
     _OPTIONS["verbose"] = verbose
+    if figure_formats is not None:
+        from qsa.workbench.plots import FORMATS_ENV, figure_formats as checked
+
+        os.environ[FORMATS_ENV] = figure_formats
+        try:
+            checked()
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--figure-formats") from None
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if os.environ.get("TRITON_INTERPRET", "0") != "1" and "triton.language" not in sys.modules:

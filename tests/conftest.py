@@ -15,6 +15,9 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+# Figures default to PNG; the tests read labels out of the SVG text, so they ask for every format
+# (notebook and sweep subprocesses inherit it).
+os.environ.setdefault("QSA_FIGURE_FORMATS", "png,svg,pdf")
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -404,3 +404,21 @@ def test_profile_runs_draw_timing_against_the_profiler(tmp_path: Path) -> None:
     assert "score_stacked (torch): agree" in svg and "score_stacked (proton): differ" in svg
     heights = sorted(round(p.get_height(), 1) for p in fig.figure.axes[0].patches)
     assert heights == [10.0, 10.1, 10.4, 14.0]
+
+
+def test_figures_are_png_unless_more_formats_are_asked_for(tmp_path, monkeypatch) -> None:
+    """Results are committed as PNG: that is the default; `--figure-formats` (the
+    environment variable it sets) adds SVG/PDF, and an unknown format is refused by name."""
+    from matplotlib.figure import Figure
+
+    from qsa.workbench import plots
+
+    fig = Figure()
+    fig.subplots().plot([0, 1])
+    monkeypatch.delenv(plots.FORMATS_ENV, raising=False)
+    assert [p.suffix for p in plots.save_figure(fig, tmp_path, "a")] == [".png"]
+    monkeypatch.setenv(plots.FORMATS_ENV, "png,svg")
+    assert [p.suffix for p in plots.save_figure(fig, tmp_path, "b")] == [".png", ".svg"]
+    monkeypatch.setenv(plots.FORMATS_ENV, "png,tiff")
+    with pytest.raises(ValueError, match="tiff"):
+        plots.save_figure(fig, tmp_path, "c")

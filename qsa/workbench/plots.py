@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,19 @@ from qsa.measure.timing import METHOD_EVENTS, METHOD_GRAPH, METHOD_HOST
 from qsa.workbench.notebooks import FUNCTIONAL_NOTE
 
 FORMATS = ("png", "svg", "pdf")  # PNG for slides, SVG and PDF for documents
+# The formats every figure is written in: PNG unless QSA_FIGURE_FORMATS (set by
+# `qsa --figure-formats png,svg,pdf`, inherited by the notebooks a sweep runs) asks for more;
+# results are committed as PNG.
+FORMATS_ENV = "QSA_FIGURE_FORMATS"
+
+
+def figure_formats() -> tuple[str, ...]:
+    """The formats asked for (FORMATS_ENV), each one of FORMATS; a bad list is refused."""
+    asked = tuple(f.strip() for f in os.environ.get(FORMATS_ENV, "png").split(",") if f.strip())
+    bad = [f for f in asked if f not in FORMATS]
+    if bad or not asked:
+        raise ValueError(f"figure formats {bad or asked!r}: choose from {', '.join(FORMATS)}")
+    return asked
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
            "#17becf", "#7f7f7f", "#bcbd22")
 LINESTYLES = ("-", "--", ":", "-.")
@@ -131,9 +145,10 @@ def _commit_label(git: Mapping[str, Any]) -> str:
 
 
 def save_figure(fig: Figure, out_dir: str | Path, name: str,
-                formats: Sequence[str] = FORMATS) -> tuple[Path, ...]:
-    """Write `<out_dir>/<name>.<fmt>` for each format; SVG and PDF carry no date (stable
-    diffs)."""
+                formats: Sequence[str] | None = None) -> tuple[Path, ...]:
+    """Write `<out_dir>/<name>.<fmt>` for each format (default: `figure_formats()`); SVG and
+    PDF carry no date (stable diffs)."""
+    formats = figure_formats() if formats is None else formats
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
