@@ -35,10 +35,12 @@ from qsa.paging import PagedBatch
 
 MARK_BLOCK = 1024  # ids per program of the marking launch
 TILE_WORDS = 32  # bitmap words (32 tokens each) a gather step expands at a time
-COUNT_WORDS = 256  # bitmap words a counting step reads at a time
-# Gather programs per row block: enough (blocks x chunks) programs to fill the device when the
-# blocks are few (a decode call's requests), one chunk per block when they are many (prefill).
+COUNT_WORDS = 512  # bitmap words a counting step reads at a time
+# Gather programs per row block: enough (blocks x chunks) programs for PROGRAMS_PER_UNIT on
+# every SM/CU when the blocks are few (a decode call's requests; each program's chain of
+# dependent steps is then short), one chunk per block when they are many (prefill).
 CHUNK_MIN_WORDS = 64
+PROGRAMS_PER_UNIT = 4
 
 
 @triton.jit
@@ -145,12 +147,12 @@ def _gather_kernel(bm_ptr, bt_ptr, ctx_ptr, qs_ptr, slots_ptr, bits_ptr, rows, b
 
 
 def chunk_count(blocks: int, words: int, device: torch.device) -> int:
-    """Gather programs per row block: the device's SM/CU count in programs over all blocks,
-    at least CHUNK_MIN_WORDS words each."""
-    if blocks >= common.unit_count(device):
+    """Gather programs per row block: PROGRAMS_PER_UNIT per SM/CU over all blocks, at least
+    CHUNK_MIN_WORDS words each."""
+    programs = PROGRAMS_PER_UNIT * common.unit_count(device)
+    if blocks >= programs:
         return 1
-    return max(1, min(triton.cdiv(common.unit_count(device), blocks),
-                      words // CHUNK_MIN_WORDS))
+    return max(1, min(triton.cdiv(programs, blocks), words // CHUNK_MIN_WORDS))
 
 
 def row_block_union(token_ids: torch.Tensor, batch: PagedBatch, per: int, pool_blocks: int
