@@ -272,6 +272,32 @@ def test_row_block_union(requests: list, width: int, per: int, page: int, seed: 
         assert list(zip(slots[b, :n].tolist(), bits[b, :n].tolist())) == want
 
 
+@pytest.mark.parametrize("per", [2, 4])
+def test_row_block_union_over_several_chunks(per: int) -> None:
+    """Long contexts split a block's bitmap over several gather programs, each counting the
+    marked tokens before its chunk to place its own: the union is still each readable id
+    once, in order, whichever program wrote it (blocks straddling two requests)."""
+    g = torch.Generator().manual_seed(per)
+    ctx, rows, page = [9000, 5000], [3, 2], 64
+    pages = [-(-c // page) for c in ctx]
+    perm = torch.randperm(sum(pages), generator=g).to(torch.int32)
+    bt = torch.full((2, max(pages)), -1, dtype=torch.int32)
+    bt[0, :pages[0]], bt[1, :pages[1]] = perm[:pages[0]], perm[pages[0]:]
+    pos = torch.tensor([8997, 8998, 8999, 4998, 4999], dtype=torch.int32)
+    batch = PagedBatch(bt, torch.tensor(ctx, dtype=torch.int32),
+                       torch.tensor([0, 3, 5], dtype=torch.int32), pos, page)
+    ids = torch.randint(0, 9000, (5, 96), generator=g, dtype=torch.int32)
+    blocks = -(-5 // per)
+    words = -(-max(pages) * page // 32)
+    assert row_union.chunk_count(blocks, words, torch.device(DEVICE)) > 1 or not INTERPRETING
+    slots, bits = row_union.row_block_union(ids.to(DEVICE), batch.to(DEVICE), per,
+                                            sum(pages))
+    slots, bits = slots.cpu(), bits.cpu()
+    for b, want in enumerate(_union_by_sets(ids, batch, per, sum(pages))):
+        n = int(bits[b, per * 96])
+        assert list(zip(slots[b, :n].tolist(), bits[b, :n].tolist())) == want
+
+
 @pytest.mark.interp_surrogate
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
