@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from qsa import overlap as ov
+from qsa.cases import CaseSpec, make_batch, random_selection, selection_generator
 from qsa.paging import PagedBatch
 from qsa.presets import ModelPreset, ShapeError, get_preset
 from qsa.reference.topk import expand_reference
@@ -87,19 +88,12 @@ class SelectionTrace:
         the rows per request of a verify step)."""
         return ov.measure(self.token_ids(layer), self.batch(), per or self.preset.rows_per_verify)
 
-    def batch(self, block_table: torch.Tensor | None = None) -> PagedBatch:
-        """The trace's requests and rows as a batch; pages in order unless a table is given."""
-        bs = self.preset.block_size
-        pages = [(int(c) + bs - 1) // bs for c in self.context_lens]
-        if block_table is None:
-            block_table = torch.full((len(pages), max(pages)), -1, dtype=torch.int32)
-            at = 0
-            for b, n in enumerate(pages):
-                block_table[b, :n] = torch.arange(at, at + n, dtype=torch.int32)
-                at += n
-        qs = torch.zeros(len(pages) + 1, dtype=torch.int32)
-        qs[1:] = torch.cumsum(torch.tensor(self.rows_per_request), 0)
-        return PagedBatch(block_table, self.context_lens, qs, self.position, bs)
+    def batch(self) -> PagedBatch:
+        """The trace's requests and rows as a batch (pages in order: a measure of its
+        selections needs no page table)."""
+        spec = CaseSpec(self.preset, tuple(self.context_lens.tolist()), self.rows_per_request,
+                        shuffle_pages=False, spare_blocks=0)
+        return make_batch(spec, torch.Generator(), "cpu")
 
 
 def write_trace(path: str | Path, trace: SelectionTrace) -> Path:
@@ -268,8 +262,6 @@ def synth_trace(preset: ModelPreset, batch: int, context: int, rows: int, overla
     """A synthetic trace in the same format: `batch` requests of `context` tokens whose last
     `rows` rows select random groups overlapping by `overlap` (calibrated per layer, as
     `qsa bench --selection random --overlap` does). For tests and demos."""
-    from qsa.cases import CaseSpec, make_batch, random_selection, selection_generator
-
     if not 1 <= layers <= len(preset.qsa_layers):
         raise TraceError(f"layers: {layers} is outside 1..{len(preset.qsa_layers)}")
     spec = CaseSpec.decode(preset, batch, context, rows, seed=seed)
