@@ -278,7 +278,7 @@ def test_row_block_union_over_several_chunks(per: int) -> None:
     marked tokens before its chunk to place its own: the union is still each readable id
     once, in order, whichever program wrote it (blocks straddling two requests)."""
     g = torch.Generator().manual_seed(per)
-    ctx, rows, page = [9000, 5000], [3, 2], 64
+    ctx, page = [9000, 5000], 64
     pages = [-(-c // page) for c in ctx]
     perm = torch.randperm(sum(pages), generator=g).to(torch.int32)
     bt = torch.full((2, max(pages)), -1, dtype=torch.int32)
