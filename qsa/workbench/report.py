@@ -26,15 +26,17 @@ def _tokens(n: float) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def _column(r: pd.Series) -> str:
-    """A point's column: the storage format it reads, and the sparse GQA path it was asked
-    to take when not chosen per call."""
+def _column(r: pd.Series, forced: bool) -> str:
+    """A point's column: the storage format it reads and, in a run that forces sparse GQA
+    paths, the path it was asked to take (or "chosen" per call)."""
     if r["op"] == "topk_expand":
         fmt = "fp32 scores"
     else:
         fmt = r["kv_format"] if r["op"] in KV_OPS else r["index_format"]
     sharing = r.get("sharing")
-    return f"{fmt} {sharing}" if isinstance(sharing, str) and sharing != "auto" else str(fmt)
+    if not forced or not isinstance(sharing, str):
+        return str(fmt)
+    return f"{fmt} {'chosen' if sharing == 'auto' else sharing}"
 
 
 def _shape(r: pd.Series) -> str:
@@ -52,7 +54,8 @@ def points_table(df: pd.DataFrame) -> str:
              & df["us"].notna()].copy()
     if pts.empty:
         return ""
-    pts["column"] = pts.apply(_column, axis=1)
+    forced = "sharing" in pts and bool(pts["sharing"].isin(["per-row", "shared"]).any())
+    pts["column"] = pts.apply(_column, axis=1, forced=forced)
     pts["shape"] = pts.apply(_shape, axis=1)
     cols = list(dict.fromkeys(pts["column"]))
     lines = ["| kernel, shape | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
