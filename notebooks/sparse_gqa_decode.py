@@ -35,6 +35,7 @@ rows = None  # query rows per request (4 for an MTP-3 verify)
 preset = None  # None: the profile's preset
 preset_overrides = None  # preset fields to change; None: the profile's (cpu-smoke: top-k 32)
 index_format = "bf16"
+overlap = 0.0  # target mean Jaccard of neighbouring rows' selections (0: independent rows)
 samples = None  # timing samples per point; None: the timing module's default
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
 results_root = None  # None: the repository's profiles/, wherever the kernel runs
@@ -87,7 +88,7 @@ with run:
             cfg = None if s == 0 else base.with_meta(NUM_SPLITS=s)
             rec = ops.measure(OP, preset=p, batch=b, context=c, rows=r, index_format=index_format,
                               kv_format=kv, config=cfg, samples=samples,
-                              device=None if dev.is_gpu else "cpu")
+                              device=None if dev.is_gpu else "cpu", overlap=overlap)
             rec["split"] = s
             run.add(rec)
             print(f"{p.name} {kv:5s} batch {b:3d} context {c:7d} rows {r} splits {s or 'auto':>4} "

@@ -36,6 +36,7 @@ preset = None  # None: the profile's preset
 preset_overrides = None  # preset fields to change; None: the profile's (cpu-smoke: top-k 32)
 kv_format = "bf16"
 mtp = 3  # draft tokens per step (a verify has mtp + 1 rows)
+overlap = 0.0  # target mean Jaccard of neighbouring rows' selections (0: independent rows)
 device = None  # None: first visible GPU, else the CPU interpreter; "cpu" forces it
 results_root = None  # None: the repository's profiles/, wherever the kernel runs
 figures_dir = None  # None: <run dir>/figures
@@ -73,10 +74,11 @@ with run:
     for name, fmt, b, c in product(g["preset"], g["index_format"], g["batch"], g["context"]):
         p = wb.make_preset(name, overrides)
         steps = step_breakdown(p, b, c, mtp=mtp, index_format=fmt, kv_format=kv_format,
-                               device=None if dev.is_gpu else "cpu", samples=samples)
+                               device=None if dev.is_gpu else "cpu", samples=samples,
+                               overlap=overlap)
         for rec in steps.to_dict("records"):
             run.add({**rec, "preset": p.name, "batch": b, "context": c, "index_format": fmt,
-                     "kv_format": kv_format, "mtp": mtp})
+                     "kv_format": kv_format, "mtp": mtp, "overlap_target": overlap})
         total = step_total(steps)
         print(f"{p.name} {fmt:6s} batch {b:3d} context {c:7d}: {total:12.2f} µs per step "
               "(sum of kernels)")
