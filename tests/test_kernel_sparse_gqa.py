@@ -322,19 +322,17 @@ def test_plan_sharing_follows_the_measured_union() -> None:
     rows with disjoint selections measure `rows` rows' worth and keep the per-row path; the
     plan reports the entry's threshold it compared against."""
     case, ids = _case("bf16", 12, 16, PREFILL)
-    pool = case.num_blocks
     same = ids[:1].expand_as(ids).contiguous()
     batch = PagedBatch(case.batch.block_table, case.batch.context_lens,
                        case.batch.query_start,
                        torch.full_like(case.batch.positions, int(case.batch.positions.min())),
                        case.batch.block_size)
-    plan = sparse_gqa.plan_sharing(same, batch, case.preset, "bf16", pool, prefill=True)
+    plan = sparse_gqa.plan_sharing(same, batch, case.preset, "bf16", prefill=True)
     assert plan.union_ratio == pytest.approx(1.0) and plan.shared and plan.rows >= 2
     disjoint = torch.full_like(ids, -1)
     for r in range(ids.shape[0]):  # row r: the tokens of one 4-token group of its own
         disjoint[r, :4] = torch.arange(4 * r, 4 * r + 4, dtype=torch.int32) % 24
-    plan = sparse_gqa.plan_sharing(disjoint, case.batch, case.preset, "bf16", pool,
-                                   prefill=True)
+    plan = sparse_gqa.plan_sharing(disjoint, case.batch, case.preset, "bf16", prefill=True)
     assert plan.union_ratio == pytest.approx(plan.rows, rel=0.3) and not plan.shared
     assert 1.0 < plan.max_union_ratio < plan.rows
 

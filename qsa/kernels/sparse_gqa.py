@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qsa import overlap
 from qsa.configs import BlockConfig, get_config
 from qsa.formats import check_kv_format
 from qsa.kernels import common
@@ -698,22 +699,11 @@ class SharePlan:
     max_union_ratio: float
 
 
-def union_ratio(token_ids: torch.Tensor, batch: PagedBatch, per: int, pool_blocks: int
-                ) -> float:
-    """A row block's union over one row's readable ids, averaged over the call (entries of
-    all unions x per / readable ids of all rows), measured with the union the shared path
-    builds. Reads the lengths back: a device sync."""
-    _, bits = row_block_union(token_ids, batch, per, pool_blocks)
-    _, own = row_block_union(token_ids, batch, 1, pool_blocks)  # each row's readable ids
-    ids = float(own[:, -1].sum())
-    return float(bits[:, -1].sum()) * per / ids if ids else 1.0
-
-
 def plan_sharing(token_ids: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
-                 kv_format: str, pool_blocks: int, *, prefill: bool = False) -> SharePlan:
-    """Measure the union the shared entry's ROWS would build for this call's ids and choose
-    the path (`SharePlan`). Made before a call, not inside it: the measurement reads device
-    data, which a captured graph can not."""
+                 kv_format: str, *, prefill: bool = False) -> SharePlan:
+    """Measure the union of this call's ids at the shared entry's ROWS (`qsa.overlap`, the
+    same measure every results row records) and choose the path (`SharePlan`). Made before a
+    call, not inside it: the measurement reads device data, which a captured graph can not."""
     kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
     rows = token_ids.shape[0]
     _, arch = common.backend_and_arch()
@@ -722,7 +712,7 @@ def plan_sharing(token_ids: torch.Tensor, batch: PagedBatch, preset: ModelPreset
     limit = entry.meta.get("SHARE_MAX_UNION", 0) / 100
     if per < 2 or rows < 2:
         return SharePlan(False, per, float(min(per, rows)), limit)
-    ratio = union_ratio(token_ids, batch, per, pool_blocks)
+    ratio = overlap.union_ratio(token_ids, batch, per)
     return SharePlan(ratio <= limit, per, ratio, limit)
 
 

@@ -454,7 +454,7 @@ def _prepare_attention(point: Point, device: str, dev: DeviceInfo) -> Prepared:
     sets = rotation_sets({**kv, "q": kernel_view(q, device)}, work, dev)
     outs = [torch.empty(q.shape, dtype=sets[0]["q"].dtype, device=device) for _ in sets]
     # Per call, from the union these ids make: the per-row or the shared path.
-    plan = sparse_gqa.plan_sharing(ids, batch, p, fmt, cache["k"].shape[0], prefill=prefill)
+    plan = sparse_gqa.plan_sharing(ids, batch, p, fmt, prefill=prefill)
     shared = plan.shared if point.sharing == "auto" else point.sharing == "shared"
     inputs = {**ov.measure(ids, batch, plan.rows).as_record(
                   None if point.trace else point.overlap),
