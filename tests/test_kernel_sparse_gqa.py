@@ -689,3 +689,76 @@ def test_gpu_shared_path_table_entries(kv_format: str, prefill: bool, overlap: f
 
     replay_captured(call, out)
     torch.testing.assert_close(out.float(), ref, **_tol(ref))
+
+
+# The Gluon implementation (impl "gluon", NVIDIA sm90): its own keys beside the host keys of
+# this device's Triton entry (splits, merge).
+GLUON_META = {"BLOCK_N": 64, "STAGES": 3, "LOAD_WARPS": 4, "LOAD_REGS": 96}
+NOT_SM90 = "the Gluon kernel is NVIDIA sm90's (warp specialization, cp.async, mbarriers)"
+
+
+def _gluon_entry(kv_format: str, rows: int, num_warps: int = 4, **meta: int) -> BlockConfig:
+    base = _entry_with(kv_format, rows)
+    return BlockConfig({**base.meta, **GLUON_META, **meta}, num_warps, 1, impl="gluon")
+
+
+def _on_sm90() -> bool:
+    return (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+def test_gluon_impl_is_refused_where_it_can_not_run() -> None:
+    """The interpreter (and ROCm, older NVIDIA) run the Triton kernel; an entry naming the
+    Gluon one there is an error that says so, never a silent fallback."""
+    if _on_sm90():
+        pytest.skip("runs the Gluon kernel here; the refusal is for other devices")
+    case, ids = _case("fp8", 12, 16, DECODE)
+    with pytest.raises(KernelInputError, match="impl gluon runs on NVIDIA sm90 only"):
+        _run(sparse_gqa_decode, case, ids, "fp8", config=_gluon_entry("fp8", ids.shape[0]))
+    with pytest.raises(ValueError, match="impl: 'cutlass' is not one of triton, gluon"):
+        BlockConfig({"BLOCK_N": 16}, impl="cutlass")
+    entry = _gluon_entry("fp8", 4)
+    assert BlockConfig.from_dict(entry.as_dict()) == entry
+    assert "impl" not in _entry_with("fp8", 4).as_dict()  # Triton entries keep their JSON
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_warps", "meta"), [(4, {}), (4, {"BLOCK_N": 32, "STAGES": 4}),
+                                                 (8, {"STAGES": 2, "LOAD_WARPS": 1})])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+@pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode_gluon(kv_format: str, block_size: int, preset_name: str,
+                          splits: int | None, num_warps: int, meta: dict) -> None:
+    """The Gluon kernel on poisoned outputs, a ragged batch over shuffled pages, a row without
+    ids, split (merged by the merge kernel) and unsplit."""
+    if not _on_sm90():
+        pytest.skip(NOT_SM90)
+    case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
+    ids = ids.clone()
+    ids[-1] = -1
+    ref = _reference(case, ids, kv_format)
+    out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
+               config=_gluon_entry(kv_format, ids.shape[0], num_warps, **meta))
+    torch.testing.assert_close(out, ref, **_tol(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_gpu_decode_gluon_graph_replay(kv_format: str) -> None:
+    """Captured in a CUDA graph (the slots pre-pass, the Gluon grid, the merge) and replayed."""
+    if not _on_sm90():
+        pytest.skip(NOT_SM90)
+    case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_DECODE)
+    ref = _reference(case, ids, kv_format)
+    config = _gluon_entry(kv_format, ids.shape[0])
+    q, cache = surrogate(case.q), surrogate_cache(case.cache)
+    out = torch.empty(tuple(case.q.shape), dtype=OUT_DTYPE, device=DEVICE)
+
+    def call() -> None:
+        sparse_gqa_decode(q, cache, case.batch, ids, case.preset, kv_format, out=out,
+                          config=config, num_splits=4, check=False)
+
+    replay_captured(call, out)
+    torch.testing.assert_close(out.float(), ref, **_tol(ref))

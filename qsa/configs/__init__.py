@@ -41,6 +41,9 @@ COUNTS_FROM_ONE = ("ROWS",)
 # union at which the shared path is chosen, set from the overlap suite's break-even): the tuner
 # holds them, since one shape's timing can not place a threshold.
 HELD_KEYS = ("SHARE_MAX_UNION",)
+# Implementations an entry may name under "impl": the portable Triton kernel, or a Gluon one
+# (`triton.experimental.gluon`, NVIDIA sm90) where a kernel has it (sparse GQA decode).
+IMPLS = ("triton", "gluon")
 
 
 class ConfigError(ValueError):
@@ -53,8 +56,11 @@ class BlockConfig:
     num_warps: int = 4
     num_stages: int = 2
     amd: dict[str, int] = field(default_factory=dict)
+    impl: str = "triton"  # which implementation of the kernel runs the entry (IMPLS)
 
     def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ConfigError(f"impl: {self.impl!r} is not one of {', '.join(IMPLS)}")
         bad = set(self.amd) - set(AMD_ONLY_KEYS)
         if bad:
             raise ConfigError(f"amd: unknown AMD launch keys {sorted(bad)}")
@@ -73,17 +79,19 @@ class BlockConfig:
         return kw
 
     def with_meta(self, **meta: int) -> "BlockConfig":
-        return BlockConfig({**self.meta, **meta}, self.num_warps, self.num_stages, self.amd)
+        return BlockConfig({**self.meta, **meta}, self.num_warps, self.num_stages, self.amd,
+                           self.impl)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"meta": dict(self.meta), "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "amd": dict(self.amd)}
+        d = {"meta": dict(self.meta), "num_warps": self.num_warps,
+             "num_stages": self.num_stages, "amd": dict(self.amd)}
+        return d if self.impl == "triton" else {**d, "impl": self.impl}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BlockConfig":
         try:
             return cls(dict(d["meta"]), int(d.get("num_warps", 4)), int(d.get("num_stages", 2)),
-                       dict(d.get("amd", {})))
+                       dict(d.get("amd", {})), str(d.get("impl", "triton")))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"malformed config entry {d!r}: {e}") from None
 

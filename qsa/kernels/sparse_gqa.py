@@ -70,7 +70,7 @@ import triton.language as tl
 from qsa import overlap
 from qsa.configs import BlockConfig, get_config
 from qsa.formats import check_kv_format
-from qsa.kernels import common
+from qsa.kernels import common, sparse_gqa_gluon
 from qsa.kernels.row_union import row_block_union
 from qsa.kernels.common import (KernelInputError, gdc_launch_dependents, gdc_wait, kernel_repr,
                                 kv_code_planes, kv_scale_planes, lookup, require, require_dtype,
@@ -512,8 +512,11 @@ def _plan(kernel: str, fmt: str, rows: int, hkv: int, width: int, device: torch.
           ) -> tuple[dict, dict[str, int], int, int]:
     """Launch keywords, host-side config keys, splits and token blocks per split of a call
     whose table format key is `fmt` (`table_format`)."""
-    _, kw = lookup(kernel, fmt, rows, config)
+    cfg, kw = lookup(kernel, fmt, rows, config)
     host = {key: kw.pop(key) for key in _HOST_KEYS if key in kw}
+    impl = _check_impl(cfg, kernel, fmt)
+    if impl != "triton":
+        host["impl"] = impl
     kw.setdefault("PV_HALVES", 0)  # a config written before the switch existed
     kw.setdefault("ROWS", 1)
     block_n = kw.get("BLOCK_N", 0)
@@ -551,6 +554,20 @@ def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
     kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
     return _plan(kernel, table_format(kv_format, shared), rows, preset.num_kv_heads, width,
                  torch.device(device), config, num_splits)[2]
+
+
+def _check_impl(cfg: BlockConfig, kernel: str, fmt: str) -> str:
+    """The entry's implementation, refused where it can not run: the Gluon kernel is NVIDIA
+    sm90's (warp specialization, cp.async, mbarriers), for decode calls over per-row lists."""
+    if cfg.impl == "triton":
+        return "triton"
+    backend, arch = common.backend_and_arch()
+    require(backend == "cuda" and arch == "sm90",
+            f"config: impl {cfg.impl} runs on NVIDIA sm90 only; this device is {backend} {arch}"
+            " (use impl triton)")
+    require(kernel == KERNEL_DECODE and not fmt.endswith(SHARED),
+            f"config: impl {cfg.impl} implements the per-row decode path, not {kernel} {fmt}")
+    return cfg.impl
 
 
 def _check_merge_last(device: torch.device) -> None:
@@ -604,7 +621,9 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     units = triton.cdiv(rows, per) * hkv
     split = num_splits > 1
     bp2 = max(64, triton.next_power_of_2(batch.batch))  # one variant for batch <= 64
-    slots = bool(host.get("SLOTS", 0)) or per > 1  # a row block's union is one of slots
+    gluon = host.get("impl") == sparse_gqa_gluon.IMPL
+    # a row block's union is one of slots; the Gluon kernel's load warps take slots
+    slots = bool(host.get("SLOTS", 0)) or per > 1 or gluon
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
     ids = aux = token_ids  # aux: an unread placeholder unless a union's bits or the counters
@@ -630,19 +649,25 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     # streams.
     if merge_last:
         aux = torch.zeros(units, dtype=torch.int32, device=q.device)
-    _sparse_gqa_kernel[(units * num_splits,)](
-        q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
-        out, po, lse, aux,
-        batch.batch, kc.shape[0], batch.block_table.shape[1], ids.shape[1], num_splits,
-        q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
-        kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
-        preset.softmax_scale * LOG2E,
-        HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(per * g)),
-        PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
-        BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
-        MERGE_SPLITS=num_splits if merge_last else 0,
-        MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, PDL=pdl,
-        RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
+    if gluon:
+        sparse_gqa_gluon.launch(q, kc, vc, ks, vs, ids, out, po, lse, num_splits=num_splits,
+                                split_blocks=split_blocks, hkv=hkv, g=g, page=batch.block_size,
+                                fp8=fp8, qk_scale=preset.softmax_scale * LOG2E, meta=kw,
+                                num_warps=kw["num_warps"])
+    else:
+        _sparse_gqa_kernel[(units * num_splits,)](
+            q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
+            out, po, lse, aux,
+            batch.batch, kc.shape[0], batch.block_table.shape[1], ids.shape[1], num_splits,
+            q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
+            kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
+            preset.softmax_scale * LOG2E,
+            HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(per * g)),
+            PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
+            BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
+            MERGE_SPLITS=num_splits if merge_last else 0,
+            MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, PDL=pdl,
+            RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
     if split and not merge_last:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](

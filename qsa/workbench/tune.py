@@ -173,13 +173,15 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
 
 def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
     """`base` with some values changed: `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`. Keys are
-    checked by name, so a typo is an error rather than an untested default."""
-    unknown = set(changes) - {"meta", "num_warps", "num_stages", "amd"}
+    checked by name, so a typo is an error rather than an untested default. A change of
+    `impl` (another implementation of the kernel) may add the meta keys that implementation
+    reads."""
+    unknown = set(changes) - {"meta", "num_warps", "num_stages", "amd", "impl"}
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)} (meta, num_warps, "
-                         "num_stages, amd)")
+                         "num_stages, amd, impl)")
     new_meta = set(changes.get("meta", {})) - set(base.meta)
-    if new_meta:
+    if new_meta and changes.get("impl", base.impl) == base.impl:
         raise ValueError(f"config: meta keys {sorted(new_meta)} are not in the current entry "
                          f"({sorted(base.meta)})")
     d = base.as_dict()
@@ -187,6 +189,7 @@ def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
     d["amd"].update(changes.get("amd", {}))
     for key in ("num_warps", "num_stages"):
         d[key] = int(changes.get(key, d[key]))
+    d["impl"] = changes.get("impl", base.impl)
     return BlockConfig.from_dict(d)
 
 
