@@ -205,7 +205,7 @@ def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
 
 @triton.jit(repr=_attention_repr)
 def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
-                       out_ptr, po_ptr, lse_ptr, aux_ptr,
+                       out_ptr, po_ptr, lse_ptr, row_bits_ptr, union_len_ptr, counters_ptr,
                        batch, num_blocks, max_pages, width, num_splits,
                        stride_qr, stride_qh, stride_ir, stride_bt, stride_kb, stride_vb,
                        stride_ksb, stride_vsb, stride_or, stride_oh, qk_scale,
@@ -264,15 +264,15 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     if PV_HALVES:
         acc_hi = tl.zeros([BLOCK_M, DV], tl.float32)
     head_off = head * D
-    # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
-    # union entry, then the union's length in column `width` (ROWS > 1); never both at once
-    aux_row = aux_ptr + block.to(tl.int64) * stride_ir
     if ROWS > 1:
-        # A union's tiles are dealt to the splits in turn (tile i to split i % num_splits), so
-        # the splits stay even whatever its length. A constexpr trip count under the
-        # interpreter (Triton 3.6's can not take a runtime range bound under numpy >= 2.4):
-        # the tiles past the union are all masked there.
-        length = tl.load(aux_row + width)
+        # The row block's union: which of its rows selected each entry (bit r for row r) and
+        # the union's length, both at the ids' row stride. Its tiles are dealt to the splits
+        # in turn (tile i to split i % num_splits), so the splits stay even whatever its
+        # length. A constexpr trip count under the interpreter (Triton 3.6's can not take a
+        # runtime range bound under numpy >= 2.4): the tiles past the union are all masked
+        # there.
+        row_bits = row_bits_ptr + block.to(tl.int64) * stride_ir
+        length = tl.load(union_len_ptr + block.to(tl.int64) * stride_ir)
     # One row per program: whole blocks per split make the constexpr count exact.
     for i in range(tl.cdiv(tl.maximum(tl.cdiv(length, BLOCK_N) - split, 0), num_splits)
                    if RUNTIME_TRIPS else SPLIT_BLOCKS):
@@ -284,7 +284,7 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
             inside = n < width
         ids = tl.load(ids_row + n, mask=inside, other=-1)
         if ROWS > 1:  # which of the program's rows selected each id: bit r of its mask
-            bits = tl.load(aux_row + n, mask=inside, other=0)
+            bits = tl.load(row_bits + n, mask=inside, other=0)
         if SLOTS:
             # ids are cache slots (block * PAGE + offset, -1 for none): one dependent level
             valid = ids >= 0
@@ -350,7 +350,7 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         if MERGE_SPLITS > 0:
             # Every thread's partial is stored before the one releasing atomic counts it.
             tl.debug_barrier()
-            if tl.atomic_add(aux_ptr + unit, 1, sem="acq_rel") == MERGE_SPLITS - 1:
+            if tl.atomic_add(counters_ptr + unit, 1, sem="acq_rel") == MERGE_SPLITS - 1:
                 _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
                                   MERGE_SPLITS, MERGE_SPLITS_P2, D)
     else:
@@ -607,9 +607,13 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     slots = bool(host.get("SLOTS", 0)) or per > 1  # a row block's union is one of slots
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
-    ids = aux = token_ids  # aux: an unread placeholder unless a union's bits or the counters
+    # The union's row bits and length, and the merge's counters: unread placeholders unless
+    # the call uses them
+    ids = row_bits = union_len = counters = token_ids
     if per > 1:
-        ids, aux = row_block_union(token_ids, batch, per, kc.shape[0])
+        # one table [blocks, n + 1]: the row bits, then the length in column n
+        ids, union = row_block_union(token_ids, batch, per, kc.shape[0])
+        row_bits, union_len = union[:, :-1], union[:, -1]
     elif slots:
         ids = torch.empty((rows, width), dtype=torch.int32, device=q.device)
         _slots_kernel[(rows, triton.cdiv(width, 1024))](
@@ -629,10 +633,10 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     # under capture): a buffer kept across calls would be shared by launches on concurrent
     # streams.
     if merge_last:
-        aux = torch.zeros(units, dtype=torch.int32, device=q.device)
+        counters = torch.zeros(units, dtype=torch.int32, device=q.device)
     _sparse_gqa_kernel[(units * num_splits,)](
         q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
-        out, po, lse, aux,
+        out, po, lse, row_bits, union_len, counters,
         batch.batch, kc.shape[0], batch.block_table.shape[1], ids.shape[1], num_splits,
         q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
         kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
