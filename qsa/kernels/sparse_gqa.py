@@ -1,62 +1,42 @@
 """Sparse GQA over the selected token ids of each query row (spec section 2 step 7), reading BF16
 or FP8 (E4M3 + FP32 per-(token, KV head) scale) K/V tiles from the paged cache.
 
-Design, and why:
-* One program owns one (query row, KV head): the G query heads of that KV head form the M side of
-  one MMA tile (padded to 16, the smallest MMA M, with masked rows), so every K/V byte loaded is
-  used by all G heads (spec 2.7). Rows have independent selections, so rows are not
-  stacked: they would not share K tiles.
-* Token ids are looked up through the page table per token; a selected group is a 4-token run
-  inside one page, so loads are full head_dim rows (512 B in BF16) and never straddle a page.
-  With the config's SLOTS=1 a small kernel first turns every id into its cache slot
-  (block * PAGE + offset, -1 for none), so the K/V gathers in the loop sit one dependent load
-  deep instead of two (ids -> page table -> K/V) and the software pipeliner keeps more tiles
-  in flight; it costs a launch, so the small-batch entries leave it off.
-* A BF16 split of one token block (the batch-1 entries) requests its V tile right after K: a
-  one-iteration loop is folded away, and with it the pipeliner's asynchronous copies that
-  otherwise fetch V ahead. Measured on the H200 at batch 1 x 128K: BF16 13.29 -> 12.74 us;
-  FP8 the same way 12.35 -> 12.73 us (slower: its entry runs 2 warps with V in halves), so
-  FP8 keeps V after the scores (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
+Design, and why (the notes named hold the measurements):
+* One program per (query row, KV head): the G query heads of the KV head are the M side of one
+  MMA tile (padded to 16, the smallest MMA M), so every K/V byte loaded serves all G heads.
+* Ids go through the page table per token (a selected group is 4 tokens of one page). SLOTS=1
+  first turns every id into its cache slot in a small kernel, so the K/V gathers sit one
+  dependent load deep instead of two; it costs a launch, so small batches leave it off
+  (profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md).
+* A BF16 split of one token block requests V right after K: a one-iteration loop loses the
+  pipeliner's copies that would fetch V ahead. FP8 keeps V after the scores, where its entry
+  is faster (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
 * Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
-* FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
-  probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
-  sm90 an E4M3 pair converts to FP16 in one instruction but to BF16 only through two more
-  quarter-rate conversions, which would make FP8 dequantization-bound (on sm90). To keep
-  FP16 in range, q is scaled by a power of two per tile (undone in the score scale) and each
-  row's scaled probabilities are normalised by their tile maximum (undone on the PV result).
-* Decode grids (rows x KV heads) are often far smaller than the device, so the token list is
-  split across programs, each writing a partial output and its log-sum-exp, which are then
-  merged. The split count comes from the config or from the SM/CU count. Two ways to merge,
-  chosen by the config key MERGE_LAST: a merge kernel (a second launch), or the split that
-  finishes last for its (row, KV head) merges all of them itself (counted with one atomic per
-  split, on counters zeroed for each call: a small fill instead of the merge launch). The last
-  split reads the partials one after another, so it pays only with few splits
-  (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md). NVIDIA only: on gfx9 the
-  barrier before the releasing atomic does not wait for every wave's stores.
-* PV_HALVES=1 runs the PV product over each half of the head dim in turn (two accumulators,
-  joined at the end). For FP8 tiles the fp16 staging copy of V that the transposing ldmatrix
-  reads then covers half the columns: at BLOCK_N 128 and 2 stages the program needs 109 KiB of
-  shared memory instead of 141 KiB, so two programs fit on an sm90 SM instead of one (the FP8
-  kernel was bound by instruction issue with one warp per scheduler;
-  profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md section 5).
+* FP8: the key scale multiplies the score column, the value scale is folded into the
+  probability before the PV product (spec 2.7). The codes feed FP16 MMAs: on sm90 E4M3 converts
+  to FP16 in one instruction but to BF16 only through two more, which would make FP8
+  dequantization-bound. q is scaled by a power of two and each row's probabilities by their
+  tile maximum to keep FP16 in range (both undone in FP32).
+* Decode grids (rows x KV heads) are often smaller than the device, so the token list is split
+  across programs (a count from the config or the SM/CU count), whose partial outputs and
+  log-sum-exps a merge kernel combines. Or, with MERGE_LAST=1 (NVIDIA only: on gfx9 the
+  barrier before the releasing atomic does not wait for every wave's stores), the split that
+  finishes last for its (row, KV head), counted on counters zeroed per call, merges them
+  itself; it reads the partials one after another, so it pays only with few splits
+  (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md).
+* PV_HALVES=1 runs the PV product over each half of the head dim in turn: the FP8 V tile's
+  fp16 staging copy then covers half the columns, so two programs fit on an sm90 SM instead of
+  one (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md).
 * PDL=1 (NVIDIA sm90+) launches the pre-pass, attention and merge grids with programmatic
-  dependent launch: each grid lets the next one launch at its start, and waits for the previous
-  one before it touches memory, so a grid's launch and scheduling overlap the previous grid's
-  run. On the H200 it moved batch 1 and 8 calls by -3% to +6%, about the noise
-  (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md): the launch gap is a small part
-  of them.
+  dependent launch, so a grid's launch overlaps the previous grid's run (same note).
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
-* The shared (tile-union) path, config key ROWS=R > 1: a program owns R consecutive rows, M
-  holds R x G (row, query head) pairs, and it walks the union of the rows' selections
-  (`qsa.kernels.row_union`: cache slots, each once, with a bit per row that selected it), so
-  a K/V tile several rows selected is loaded once, and each score a row did not select is
-  masked to -inf: every row attends exactly its own selection. It trades K/V bytes for
-  matrix work (R x G rows per tile over every union token), so it pays only where the rows'
-  selections overlap: `plan_sharing` measures a call's union and chooses per call between
-  the per-row entry (table format "bf16"/"fp8") and the shared one ("bf16-shared"/
-  "fp8-shared", whose SHARE_MAX_UNION is the largest union, in hundredths of one row's ids,
-  at which it is chosen). Split calls deal a union's tiles to the splits in turn, so the
-  splits stay even whatever the union's length (profiles/selection-overlap/NOTES.md).
+* ROWS=R > 1, the shared (tile-union) path: a program owns R consecutive rows (M = R x G) and
+  walks the union of their selections (`qsa.kernels.row_union`), masking each score its row
+  did not select, so a K/V tile several rows selected is loaded once. It trades K/V bytes for
+  matrix work, so `plan_sharing` measures a call's union and chooses per call between the
+  per-row entries ("bf16"/"fp8") and the shared ones ("bf16-shared"/"fp8-shared", chosen up
+  to a union of SHARE_MAX_UNION hundredths of one row's ids); split calls deal the union's
+  tiles to the splits in turn (profiles/selection-overlap/NOTES.md).
 """
 
 from __future__ import annotations
@@ -143,7 +123,7 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
       which then reads the 8-bit codes byte by byte (no 8-bit transposing ldmatrix on sm90);
     * Triton sizes the operand's k-width from the narrowest load it can trace the value back
       to (8 bits here), and the wider k-width makes ldmatrix.trans read 4-way bank-conflicted
-      rows (41% of all shared-memory wavefronts of the kernel).
+      rows.
     A max over a size-1 axis is an identity that neither the conversion hoisting nor that trace
     goes through."""
     return tl.max(tl.reshape(v.to(tl.float16), (BLOCK_N, D, 1)), axis=2).to(tl.float16)

@@ -21,8 +21,8 @@ Selection (one program per row, the row held in registers):
   environment overrides the table's value, not an explicit config's):
   - RADIX_BITS = 0, bisection on the key's bits, most significant first: a candidate bit is
     kept while at least k keys are >= prefix | bit. Each pass is one compare + count per key
-    (~3 instructions) and one block reduction; it stops once exactly k keys are >= the prefix
-    (about 20 passes for continuous scores), else after 32 (ties). With the meta key BOUND=1
+    (~3 instructions) and one block reduction; it stops once exactly k keys are >= the prefix,
+    else after 32 (ties). With the meta key BOUND=1
     it starts below the bits every candidate for the k-th key shares: that key lies between
     the largest key and the smallest of k (rounded up to a power of two) group maxima, two
     reductions that skip the bits above the highest one where those bounds differ.
@@ -61,9 +61,8 @@ from qsa.presets import ModelPreset
 KERNEL = "topk"
 FORMAT = "fp32"  # the config table's format key: the scores' dtype
 # Calls of at least MANY_ROWS rows (prefill chunks) read the table under FORMAT_MANY_ROWS: with
-# many programs per SM, throughput decides and fewer warps per row win (4,096 rows x 16K
-# candidates: 4 warps 563 us, 16 warps 777 us), while a decode call's few rows are latency-bound
-# (128 rows x 16K: 4 warps 40.2 us, 16 warps 30.4 us; profiles/nvidia-h200/bench/topk/rows-axis/).
+# many programs per SM, throughput decides and fewer warps per row win, while a decode call's
+# few rows are latency-bound and want more (profiles/nvidia-h200/bench/topk/rows-axis/NOTES.md).
 MANY_ROWS = 2048
 FORMAT_MANY_ROWS = "fp32-many-rows"
 MAX_BATCH = 8192  # the row -> request lookup holds one lane per request
@@ -112,9 +111,8 @@ def _kth_key_bisect(key, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_GROUPS
     BOUND_GROUPS = G > 0 (G >= K, G <= BLOCK_N) starts below the bits every candidate shares:
     the k-th key lies between the smallest of G group maxima (G distinct keys are >= it) and
     the largest key, so the bits above the highest one where those two differ are the k-th
-    key's too (config key BOUND). Two reductions instead of one per shared bit: on the
-    workbench's scores at 8K candidates they skip 7 of about 20 passes, at 2K candidates
-    (groups of 4) one (profiles/nvidia-h200/bench/topk/bound/)."""
+    key's too (config key BOUND). Two reductions instead of one per shared bit, which pays
+    where many top bits are shared (profiles/nvidia-h200/bench/topk/bound/NOTES.md)."""
     prefix = tl.zeros((), tl.uint32)
     n_ge = n  # keys >= prefix, or n before the first pass (n > K: not an early exit)
     i = tl.zeros((), tl.int32)
