@@ -516,7 +516,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                                                "ray://HOST:PORT, local)"),
          candidates: Optional[str] = typer.Option(
              None, help='changes to the current entry to try instead of the derived space: a '
-             'JSON list, inline or in a file, e.g. \'[{"meta": {"MERGE_LAST": 1}}, '
+             'JSON list, inline or in a file, e.g. \'[{"meta": {"SLOTS": 1}}, '
              '{"num_warps": 8}]\''),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""

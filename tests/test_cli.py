@@ -207,7 +207,7 @@ def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
                               "p90_us": 1.0, "config": "{}"}])
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
-    changes = [{"meta": {"MERGE_LAST": 1}}, {"num_warps": 8}]
+    changes = [{"meta": {"SLOTS": 1}}, {"num_warps": 8}]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(changes))
     for given in (json.dumps(changes), str(path)):

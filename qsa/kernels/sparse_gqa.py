@@ -19,11 +19,7 @@ Design, and why (the notes named hold the measurements):
   tile maximum to keep FP16 in range (both undone in FP32).
 * Decode grids (rows x KV heads) are often smaller than the device, so the token list is split
   across programs (a count from the config or the SM/CU count), whose partial outputs and
-  log-sum-exps a merge kernel combines. Or, with MERGE_LAST=1 (NVIDIA only: on gfx9 the
-  barrier before the releasing atomic does not wait for every wave's stores), the split that
-  finishes last for its (row, KV head), counted on counters zeroed per call, merges them
-  itself; it reads the partials one after another, so it pays only with few splits
-  (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md).
+  log-sum-exps a merge kernel combines.
 * PV_HALVES=1 runs the PV product over each half of the head dim in turn: the FP8 V tile's
   fp16 staging copy then covers half the columns, so two programs fit on an sm90 SM instead of
   one (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md).
@@ -72,9 +68,8 @@ ROWS_PER_PROGRAM = (1, 2, 4, 8)  # config key ROWS: consecutive rows sharing one
 SHARED = "-shared"  # table format suffix of the shared (tile-union) path's entries
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS", "SLOTS", "MERGE_LAST", "PDL", "SHARE_MAX_UNION")
-_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS", "PV_HALVES",
-              "PDL", "ROWS")
+              "MERGE_WARPS", "SLOTS", "PDL", "SHARE_MAX_UNION")
+_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "PV_HALVES", "PDL", "ROWS")
 
 
 def _attention_repr(spec) -> str:
@@ -153,39 +148,9 @@ def _pv_accumulate(acc, pw, v, alpha, r, FP8: tl.constexpr, BLOCK_N: tl.constexp
     return acc
 
 
-@triton.jit
-def _split_weights(lse, AXIS: tl.constexpr):
-    """Log-sum-exp merge weights of split partials along AXIS, relative to the largest, and
-    their sum. A split with no token has lse -inf and weight 0; when no split has one, every
-    weight is 0 (not NaN) and so is the sum."""
-    top = tl.max(lse, axis=AXIS)
-    top = tl.where(top > float("-inf"), top, 0.0)
-    w = tl.exp2(lse - tl.expand_dims(top, AXIS))
-    return w, tl.sum(w, axis=AXIS)
-
-
-@triton.jit
-def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
-                      SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
-    """Log-sum-exp merge of the SPLITS partials of one (row, KV head), run by the split that
-    arrived last. The partials were written by other programs: they are read after the
-    acquiring atomic that counted them, with .cg (past L1 on NVIDIA)."""
-    s = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + part0[:, None] + s[None, :], mask=hmask[:, None] & (s < SPLITS)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    w, den = _split_weights(lse, 1)
-    acc = tl.zeros([w.shape[0], D], tl.float32)
-    for j in range(SPLITS):
-        o = tl.load(po_ptr + (part0 + j)[:, None] * D + d[None, :], mask=hmask[:, None],
-                    other=0.0, cache_modifier=".cg")
-        acc += o * tl.sum(tl.where(s[None, :] == j, w, 0.0), axis=1)[:, None]
-    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-
-
 @triton.jit(repr=_attention_repr)
 def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
-                       out_ptr, po_ptr, lse_ptr, row_bits_ptr, union_len_ptr, counters_ptr,
+                       out_ptr, po_ptr, lse_ptr, row_bits_ptr, union_len_ptr,
                        batch, num_blocks, max_pages, width, num_splits,
                        stride_qr, stride_qh, stride_ir, stride_bt, stride_kb, stride_vb,
                        stride_ksb, stride_vsb, stride_or, stride_oh, qk_scale,
@@ -193,9 +158,8 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
                        FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr,
-                       SLOTS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-                       MERGE_SPLITS_P2: tl.constexpr, PV_HALVES: tl.constexpr,
-                       PDL: tl.constexpr, ROWS: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
+                       SLOTS: tl.constexpr, PV_HALVES: tl.constexpr, PDL: tl.constexpr,
+                       ROWS: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
     if PDL:
         _follow_previous_grid()
     pid = tl.program_id(0)
@@ -318,7 +282,6 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), (0, 2, 1)), (BLOCK_M, D))
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    out_off = qrow64 * stride_or + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:  # partials in [rows, Hq, splits] order
         if ROWS > 1:
             part0 = ((row + r_m).to(tl.int64) * (HKV * G) + heads) * num_splits
@@ -327,14 +290,9 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         tl.store(po_ptr + (part0 + split)[:, None] * D + d[None, :], o, mask=hmask[:, None])
         tl.store(lse_ptr + part0 + split, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
                                                    float("-inf")), mask=hmask)
-        if MERGE_SPLITS > 0:
-            # Every thread's partial is stored before the one releasing atomic counts it.
-            tl.debug_barrier()
-            if tl.atomic_add(counters_ptr + unit, 1, sem="acq_rel") == MERGE_SPLITS - 1:
-                _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
-                                  MERGE_SPLITS, MERGE_SPLITS_P2, D)
     else:
-        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(out_ptr + qrow64 * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D", "PDL"]))
@@ -349,7 +307,11 @@ def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = s < num_splits
     lse = tl.load(lse_ptr + rh * num_splits + s, mask=live, other=float("-inf"))
-    w, den = _split_weights(lse, 0)
+    # Weights relative to the largest. A split with no token has lse -inf and weight 0; when no
+    # split has one, every weight is 0 (not NaN) and so is their sum.
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0))
+    den = tl.sum(w, axis=0)
     o = tl.load(po_ptr + (rh * num_splits + s)[:, None] * D + d[None, :], mask=live[:, None],
                 other=0.0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
@@ -501,9 +463,6 @@ def _plan(kernel: str, fmt: str, rows: int, hkv: int, width: int, device: torch.
             f"config: BLOCK_N {block_n} must be a power of two >= 16")
     per = kw["ROWS"]
     require(per in ROWS_PER_PROGRAM, f"config: ROWS {per} must be one of {ROWS_PER_PROGRAM}")
-    if per > 1:  # one token list per row block: the union of its rows' lists
-        require(not host.get("MERGE_LAST", 0),
-                f"config: ROWS {per} merges its splits with the merge kernel; use MERGE_LAST 0")
     units = triton.cdiv(rows, per) * hkv
     if num_splits is None:
         # A union is at least one row's width and at most `per` of them: splits are sized for
@@ -531,14 +490,6 @@ def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
     kernel = KERNEL_PREFILL if prefill else KERNEL_DECODE
     return _plan(kernel, table_format(kv_format, shared), rows, preset.num_kv_heads, width,
                  torch.device(device), config, num_splits)[2]
-
-
-def _check_merge_last(device: torch.device) -> None:
-    """The merge by the last split is NVIDIA-only (module docstring): refused on ROCm."""
-    if device.type == "cuda" and torch.version.hip is not None:
-        raise KernelInputError("config: MERGE_LAST=1 is NVIDIA-only (on ROCm the barrier before "
-                               "the releasing atomic does not order every wave's stores); use "
-                               "MERGE_LAST=0")
 
 
 def _use_pdl(host: dict[str, int]) -> bool:
@@ -587,9 +538,7 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     slots = bool(host.get("SLOTS", 0)) or per > 1  # a row block's union is one of slots
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
-    # The union's row bits and length, and the merge's counters: unread placeholders unless
-    # the call uses them
-    ids = row_bits = union_len = counters = token_ids
+    ids = row_bits = union_len = token_ids  # the union's bits and length: unread unless ROWS > 1
     if per > 1:
         # one table [blocks, n + 1]: the row bits, then the length in column n
         ids, union = row_block_union(token_ids, batch, per, kc.shape[0])
@@ -601,22 +550,14 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
             PDL=pdl, num_warps=4, **pdl_kw)
-    merge_last = split and bool(host.get("MERGE_LAST", 0))
-    if merge_last:
-        _check_merge_last(q.device)
     if split:
         po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = lse = out  # unread placeholders
-    # Arrival counters, one per (row, KV head), zeroed per call (a fill launch, a graph node
-    # under capture): a buffer kept across calls would be shared by launches on concurrent
-    # streams.
-    if merge_last:
-        counters = torch.zeros(units, dtype=torch.int32, device=q.device)
     _sparse_gqa_kernel[(units * num_splits,)](
         q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
-        out, po, lse, row_bits, union_len, counters,
+        out, po, lse, row_bits, union_len,
         batch.batch, kc.shape[0], batch.block_table.shape[1], ids.shape[1], num_splits,
         q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
         kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
@@ -624,10 +565,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
         HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(per * g)),
         PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
         BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
-        MERGE_SPLITS=num_splits if merge_last else 0,
-        MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, PDL=pdl,
-        RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
-    if split and not merge_last:
+        PDL=pdl, RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
+    if split:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](
             po, lse, out, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
