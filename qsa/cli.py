@@ -604,18 +604,36 @@ def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
 
 
 @app.command("compile-check")
-def compile_check(arch: str = typer.Option("sm90,gfx950,gfx942",
+def compile_check(ctx: typer.Context,
+                  arch: str = typer.Option("sm90,gfx950,gfx942",
                                            help="targets, comma-separated (sm90, gfx950, gfx942)"),
                   ops: Optional[str] = typer.Option(None, help="only these ops, comma-separated"),
                   out: Path = typer.Option(Path("profiles/compile/compile_check.csv"),
-                                           help="the table of compiled kernels (CSV)")) -> None:
+                                           help="the table of compiled kernels (CSV)"),
+                  sass: bool = typer.Option(False, "--sass", help="also every kernel's opcode "
+                                            "histogram (sm90: its SASS, and its main loop's; "
+                                            "gfx9: the assembly's instructions), written with "
+                                            "the table's rows to <out stem>.sass.json"),
+                  diff: Optional[tuple[Path, Path]] = typer.Option(
+                      None, "--diff", metavar="A B", help="compile nothing: per compiled kernel, "
+                      "what moved from output A to output B (two revisions, say): registers, "
+                      "spills, shared memory, instructions, top opcodes. Each a table, its "
+                      ".sass.json or their folder")) -> None:
     """Compile every kernel with every config of its tables for GPUs that need not be here
-    (on the CPU; no launch): registers, spills and shared memory per config. Exit 1 when a
-    config does not compile or spills on its target."""
+    (on the CPU; no launch): registers, spills and shared memory per config, and with --sass
+    opcode histograms. Exit 1 when a config does not compile or spills on its target. --diff
+    compares two such outputs."""
     import subprocess
 
     from qsa.workbench.compile_check import TARGETS
 
+    if diff is not None:
+        given = [f"--{n}" for n in ("arch", "ops", "out", "sass")
+                 if ctx.get_parameter_source(n).name == "COMMANDLINE"]
+        if given:
+            raise typer.BadParameter(f"--diff compiles nothing; drop {', '.join(given)}")
+        _compile_diff(*diff)
+        return
     archs = [a.strip() for a in arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in TARGETS]
     if bad or not archs:
@@ -625,7 +643,40 @@ def compile_check(arch: str = typer.Option("sm90,gfx950,gfx942",
     cmd = [sys.executable, "-m", "qsa.workbench.compile_check", str(out), *archs]
     if ops:
         cmd += ["--ops", ops]
+    if sass:
+        cmd.append("--sass")
     raise typer.Exit(subprocess.run(cmd, env=env).returncode)
+
+
+def _compile_diff(a: Path, b: Path) -> None:
+    """`qsa compile-check --diff A B`: a count of each kind of change, and the kernels that
+    moved, each count as A -> B."""
+    from qsa.workbench.compile_check import diff_checks, read_rows
+
+    df = diff_checks(read_rows(a), read_rows(b))
+    counts = df["change"].value_counts()
+    _verbatim(f"B = {b} against A = {a}: {len(df)} compiled kernels; "
+              + " · ".join(f"{c} {int(counts.get(c, 0))}"
+                           for c in ("changed", "same", "only in A", "only in B")))
+    moved = df[df["change"] != "same"]
+    if not len(moved):
+        return
+    table = moved[["arch", "op", "fmt", "bucket", "launch", "change", "config"]].copy()
+    for col, name in (("registers", "registers"), ("spill_bytes", "spill bytes"),
+                      ("shared_bytes", "shared bytes"), ("instructions", "instructions"),
+                      ("loop_instructions", "loop instructions")):
+        pairs = list(zip(moved[f"{col}_a"], moved[f"{col}_b"]))
+        if any(x == x or y == y for x, y in pairs):  # NaN != NaN: a count neither side has
+            table[name] = [_from_to(x, y) for x, y in pairs]
+    table["top opcodes (B - A)"] = moved["opcodes"]
+    table["kernel"] = moved["kernel"]
+    _print_frame(table, "compiled kernels that moved (counts as A -> B)")
+
+
+def _from_to(a: float, b: float) -> str:
+    """"58 -> 64", "58" when equal, the one side's value alone, or "" for neither."""
+    shown = [f"{v:g}" for v in (a, b) if v == v]  # NaN != NaN: a side without the count
+    return " -> ".join(shown) if len(shown) == 2 and a != b else "".join(shown[:1])
 
 
 @app.command("offload-check")
