@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from qsa.presets import DEFAULT_PRESET, get_preset
+
+if TYPE_CHECKING:
+    from qsa.workbench.ab import ABPoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
@@ -859,6 +862,95 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     table = write_comparison(cmp, diff, folder, a, b)
     fig = comparison_chart(cmp, folder)
     console.print(f"table: {table}  figure: {fig.paths[0]}")
+
+
+# Options of bench and step that an A/B does not take, and why.
+AB_REFUSED = {"out": "give it to ab itself, before --: the A/B writes both sides' runs",
+              "suite": "an A/B measures a grid (--op, --batch, ...), not a suite",
+              "verify_only": "an A/B times its points"}
+
+
+def _ab_points(args: list[str]) -> list[ABPoint]:
+    """The points of `qsa ab -- bench ...` or `-- step ...`: the arguments parsed by that
+    command's own options (so defaults and spellings are its), then expanded as it does."""
+    from typer.main import get_command
+
+    from qsa.workbench.ab import bench_points, step_points
+
+    if not args or args[0] not in ("bench", "step"):
+        got = repr(" ".join(args)) if args else "nothing"
+        raise typer.BadParameter(f"after --, give bench or step and its arguments (e.g. -- bench "
+                                 f"--op score_stacked); got {got}", param_hint="ARGS")
+    ctx = get_command(app).commands[args[0]].make_context(args[0], args[1:])
+    prm = ctx.params
+    for name, instead in AB_REFUSED.items():
+        if name in prm and ctx.get_parameter_source(name).name == "COMMANDLINE":
+            raise typer.BadParameter(f"--{name.replace('_', '-')}: {instead}",
+                                     param_hint="ARGS")
+    p = get_preset(prm["preset"])
+    trace = None if prm["trace"] is None else str(prm["trace"])
+    try:
+        if args[0] == "bench":
+            return bench_points(p, _strs(prm["op"]), _ints(prm["batch"]), _ints(prm["context"]),
+                                _ints(prm["rows"]), _strs(prm["index_format"]),
+                                _strs(prm["kv_format"]), _overlaps(prm["overlap"]),
+                                _strs(prm["sharing"]), selection=prm["selection"],
+                                env=_env(prm["env"]), trace=trace,
+                                trace_layer=prm["trace_layer"])
+        phase = prm["phase"]
+        return step_points(p, prm["batch"] or (1 if phase == "prefill" else 8),
+                           _one_int(prm["context"]),
+                           p.mtp_draft_tokens if prm["mtp"] is None else prm["mtp"],
+                           _format_pairs(prm["formats"]) if prm["formats"]
+                           else [(prm["index_format"], prm["kv_format"])],
+                           _overlaps(prm["overlap"]), phase=phase, rows=prm["rows"], trace=trace)
+    except ValueError as e:  # a bad shape, format or phase, named by the message
+        raise typer.BadParameter(str(e), param_hint="ARGS") from None
+
+
+@app.command()
+def ab(base: str = typer.Option(..., help="revision measured as A: a commit, branch or tag "
+                                "(HEAD~1, main)"),
+       head: Optional[str] = typer.Option(None, help="revision measured as B (default: the "
+                                          "working tree, uncommitted changes included and "
+                                          "recorded)"),
+       rounds: int = typer.Option(4, min=1, help="turns each side takes at every point, A "
+                                  "first in even rounds, B first in odd ones"),
+       out: Path = typer.Option(Path("profiles"), help="results store root: both runs, and "
+                                "the comparison under <device>/compare/"),
+       args: Optional[list[str]] = typer.Argument(
+           None, metavar="-- bench|step ARGS", help="what both revisions measure, as `qsa "
+           "bench` or `qsa step` takes it: a grid of points, or a step's kernel calls")) -> None:
+    """A/B of two revisions on one device: each runs in its own process, importing its own
+    `qsa/`, and they take turns at every point for several rounds, so drift reaches both
+    alike; the two sides are stored as two runs (kind ab) and judged by `qsa compare`. Needs a
+    GPU; exit 1 when a side fails a point."""
+    from qsa.measure.device import detect_device
+    from qsa.workbench.ab import ABError, SideFailed, checkout, resolve_revision, run_ab, step_sums
+
+    points = _ab_points(args or [])
+    repo = checkout()
+    revisions = (resolve_revision(repo, base, "--base"), resolve_revision(repo, head, "--head"))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise ABError("ab: no GPU; an A/B times both revisions on one device (interpreter "
+                      "times say nothing of either)")
+    _verbatim(f"A = {revisions[0].label}, B = {revisions[1].label}: {len(points)} points, "
+              f"{rounds} rounds each")
+    try:
+        res = run_ab(points, revisions, repo=repo, rounds=rounds, root=out,
+                     device=detect_device(), args=args, say=_verbatim)
+    except SideFailed as e:
+        _problem(str(e))
+        raise typer.Exit(1)
+    _verbatim(f"runs: A {res.runs[0]}, B {res.runs[1]}")
+    for line in step_sums(points, res.records):
+        _verbatim(line)
+    if any(all(r is None for r in side) for side in res.records):
+        _problem("a side measured no point: nothing to compare")
+        raise typer.Exit(1)
+    compare_cmd(*res.runs, keys=",".join(res.keys), out=None, root=out)
+    if res.failures:
+        raise typer.Exit(1)
 
 
 @app.command()
