@@ -20,7 +20,7 @@ runner = CliRunner()
 def test_help_lists_commands():
     out = runner.invoke(app, ["--help"]).output
     for cmd in ("bench", "step", "tune", "profile", "sweep", "run", "capacity", "offload-check",
-                "ceilings", "info"):
+                "ceilings", "info", "ab", "compile-check"):
         assert cmd in out
 
 
