@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from qsa.presets import DEFAULT_PRESET, get_preset
+
+if TYPE_CHECKING:
+    from qsa.workbench.ab import ABPoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="QSA Workbench: Triton kernels for QSA sparse attention, measured and tuned.")
@@ -516,7 +519,7 @@ def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_s
                                                "ray://HOST:PORT, local)"),
          candidates: Optional[str] = typer.Option(
              None, help='changes to the current entry to try instead of the derived space: a '
-             'JSON list, inline or in a file, e.g. \'[{"meta": {"MERGE_LAST": 1}}, '
+             'JSON list, inline or in a file, e.g. \'[{"meta": {"SLOTS": 1}}, '
              '{"num_warps": 8}]\''),
          out: Path = typer.Option(Path("profiles"), help="results store root")) -> None:
     """Sweep the config space around the current entry; every candidate verified, then timed."""
@@ -604,18 +607,36 @@ def capacity(gib: float = typer.Option(64.0, help="pool size in GiB"),
 
 
 @app.command("compile-check")
-def compile_check(arch: str = typer.Option("sm90,gfx950,gfx942",
+def compile_check(ctx: typer.Context,
+                  arch: str = typer.Option("sm90,gfx950,gfx942",
                                            help="targets, comma-separated (sm90, gfx950, gfx942)"),
                   ops: Optional[str] = typer.Option(None, help="only these ops, comma-separated"),
                   out: Path = typer.Option(Path("profiles/compile/compile_check.csv"),
-                                           help="the table of compiled kernels (CSV)")) -> None:
+                                           help="the table of compiled kernels (CSV)"),
+                  sass: bool = typer.Option(False, "--sass", help="also every kernel's opcode "
+                                            "histogram (sm90: its SASS, and its main loop's; "
+                                            "gfx9: the assembly's instructions), written with "
+                                            "the table's rows to <out stem>.sass.json"),
+                  diff: Optional[tuple[Path, Path]] = typer.Option(
+                      None, "--diff", metavar="A B", help="compile nothing: per compiled kernel, "
+                      "what moved from output A to output B (two revisions, say): registers, "
+                      "spills, shared memory, instructions, top opcodes. Each a table, its "
+                      ".sass.json or their folder")) -> None:
     """Compile every kernel with every config of its tables for GPUs that need not be here
-    (on the CPU; no launch): registers, spills and shared memory per config. Exit 1 when a
-    config does not compile or spills on its target."""
+    (on the CPU; no launch): registers, spills and shared memory per config, and with --sass
+    opcode histograms. Exit 1 when a config does not compile or spills on its target. --diff
+    compares two such outputs."""
     import subprocess
 
     from qsa.workbench.compile_check import TARGETS
 
+    if diff is not None:
+        given = [f"--{n}" for n in ("arch", "ops", "out", "sass")
+                 if ctx.get_parameter_source(n).name == "COMMANDLINE"]
+        if given:
+            raise typer.BadParameter(f"--diff compiles nothing; drop {', '.join(given)}")
+        _compile_diff(*diff)
+        return
     archs = [a.strip() for a in arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in TARGETS]
     if bad or not archs:
@@ -625,7 +646,40 @@ def compile_check(arch: str = typer.Option("sm90,gfx950,gfx942",
     cmd = [sys.executable, "-m", "qsa.workbench.compile_check", str(out), *archs]
     if ops:
         cmd += ["--ops", ops]
+    if sass:
+        cmd.append("--sass")
     raise typer.Exit(subprocess.run(cmd, env=env).returncode)
+
+
+def _compile_diff(a: Path, b: Path) -> None:
+    """`qsa compile-check --diff A B`: a count of each kind of change, and the kernels that
+    moved, each count as A -> B."""
+    from qsa.workbench.compile_check import diff_checks, read_rows
+
+    df = diff_checks(read_rows(a), read_rows(b))
+    counts = df["change"].value_counts()
+    _verbatim(f"B = {b} against A = {a}: {len(df)} compiled kernels; "
+              + " · ".join(f"{c} {int(counts.get(c, 0))}"
+                           for c in ("changed", "same", "only in A", "only in B")))
+    moved = df[df["change"] != "same"]
+    if not len(moved):
+        return
+    table = moved[["arch", "op", "fmt", "bucket", "launch", "change", "config"]].copy()
+    for col, name in (("registers", "registers"), ("spill_bytes", "spill bytes"),
+                      ("shared_bytes", "shared bytes"), ("instructions", "instructions"),
+                      ("loop_instructions", "loop instructions")):
+        pairs = list(zip(moved[f"{col}_a"], moved[f"{col}_b"]))
+        if any(x == x or y == y for x, y in pairs):  # NaN != NaN: a count neither side has
+            table[name] = [_from_to(x, y) for x, y in pairs]
+    table["top opcodes (B - A)"] = moved["opcodes"]
+    table["kernel"] = moved["kernel"]
+    _print_frame(table, "compiled kernels that moved (counts as A -> B)")
+
+
+def _from_to(a: float, b: float) -> str:
+    """"58 -> 64", "58" when equal, the one side's value alone, or "" for neither."""
+    shown = [f"{v:g}" for v in (a, b) if v == v]  # NaN != NaN: a side without the count
+    return " -> ".join(shown) if len(shown) == 2 and a != b else "".join(shown[:1])
 
 
 @app.command("offload-check")
@@ -808,6 +862,95 @@ def compare_cmd(a: Path = typer.Argument(..., help="run A: a run folder (run.jso
     table = write_comparison(cmp, diff, folder, a, b)
     fig = comparison_chart(cmp, folder)
     console.print(f"table: {table}  figure: {fig.paths[0]}")
+
+
+# Options of bench and step that an A/B does not take, and why.
+AB_REFUSED = {"out": "give it to ab itself, before --: the A/B writes both sides' runs",
+              "suite": "an A/B measures a grid (--op, --batch, ...), not a suite",
+              "verify_only": "an A/B times its points"}
+
+
+def _ab_points(args: list[str]) -> list[ABPoint]:
+    """The points of `qsa ab -- bench ...` or `-- step ...`: the arguments parsed by that
+    command's own options (so defaults and spellings are its), then expanded as it does."""
+    from typer.main import get_command
+
+    from qsa.workbench.ab import bench_points, step_points
+
+    if not args or args[0] not in ("bench", "step"):
+        got = repr(" ".join(args)) if args else "nothing"
+        raise typer.BadParameter(f"after --, give bench or step and its arguments (e.g. -- bench "
+                                 f"--op score_stacked); got {got}", param_hint="ARGS")
+    ctx = get_command(app).commands[args[0]].make_context(args[0], args[1:])
+    prm = ctx.params
+    for name, instead in AB_REFUSED.items():
+        if name in prm and ctx.get_parameter_source(name).name == "COMMANDLINE":
+            raise typer.BadParameter(f"--{name.replace('_', '-')}: {instead}",
+                                     param_hint="ARGS")
+    p = get_preset(prm["preset"])
+    trace = None if prm["trace"] is None else str(prm["trace"])
+    try:
+        if args[0] == "bench":
+            return bench_points(p, _strs(prm["op"]), _ints(prm["batch"]), _ints(prm["context"]),
+                                _ints(prm["rows"]), _strs(prm["index_format"]),
+                                _strs(prm["kv_format"]), _overlaps(prm["overlap"]),
+                                _strs(prm["sharing"]), selection=prm["selection"],
+                                env=_env(prm["env"]), trace=trace,
+                                trace_layer=prm["trace_layer"])
+        phase = prm["phase"]
+        return step_points(p, prm["batch"] or (1 if phase == "prefill" else 8),
+                           _one_int(prm["context"]),
+                           p.mtp_draft_tokens if prm["mtp"] is None else prm["mtp"],
+                           _format_pairs(prm["formats"]) if prm["formats"]
+                           else [(prm["index_format"], prm["kv_format"])],
+                           _overlaps(prm["overlap"]), phase=phase, rows=prm["rows"], trace=trace)
+    except ValueError as e:  # a bad shape, format or phase, named by the message
+        raise typer.BadParameter(str(e), param_hint="ARGS") from None
+
+
+@app.command()
+def ab(base: str = typer.Option(..., help="revision measured as A: a commit, branch or tag "
+                                "(HEAD~1, main)"),
+       head: Optional[str] = typer.Option(None, help="revision measured as B (default: the "
+                                          "working tree, uncommitted changes included and "
+                                          "recorded)"),
+       rounds: int = typer.Option(4, min=1, help="turns each side takes at every point, A "
+                                  "first in even rounds, B first in odd ones"),
+       out: Path = typer.Option(Path("profiles"), help="results store root: both runs, and "
+                                "the comparison under <device>/compare/"),
+       args: Optional[list[str]] = typer.Argument(
+           None, metavar="-- bench|step ARGS", help="what both revisions measure, as `qsa "
+           "bench` or `qsa step` takes it: a grid of points, or a step's kernel calls")) -> None:
+    """A/B of two revisions on one device: each runs in its own process, importing its own
+    `qsa/`, and they take turns at every point for several rounds, so drift reaches both
+    alike; the two sides are stored as two runs (kind ab) and judged by `qsa compare`. Needs a
+    GPU; exit 1 when a side fails a point."""
+    from qsa.measure.device import detect_device
+    from qsa.workbench.ab import ABError, SideFailed, checkout, resolve_revision, run_ab, step_sums
+
+    points = _ab_points(args or [])
+    repo = checkout()
+    revisions = (resolve_revision(repo, base, "--base"), resolve_revision(repo, head, "--head"))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise ABError("ab: no GPU; an A/B times both revisions on one device (interpreter "
+                      "times say nothing of either)")
+    _verbatim(f"A = {revisions[0].label}, B = {revisions[1].label}: {len(points)} points, "
+              f"{rounds} rounds each")
+    try:
+        res = run_ab(points, revisions, repo=repo, rounds=rounds, root=out,
+                     device=detect_device(), args=args, say=_verbatim)
+    except SideFailed as e:
+        _problem(str(e))
+        raise typer.Exit(1)
+    _verbatim(f"runs: A {res.runs[0]}, B {res.runs[1]}")
+    for line in step_sums(points, res.records):
+        _verbatim(line)
+    if any(all(r is None for r in side) for side in res.records):
+        _problem("a side measured no point: nothing to compare")
+        raise typer.Exit(1)
+    compare_cmd(*res.runs, keys=",".join(res.keys), out=None, root=out)
+    if res.failures:
+        raise typer.Exit(1)
 
 
 @app.command()

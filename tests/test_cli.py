@@ -20,7 +20,7 @@ runner = CliRunner()
 def test_help_lists_commands():
     out = runner.invoke(app, ["--help"]).output
     for cmd in ("bench", "step", "tune", "profile", "sweep", "run", "capacity", "offload-check",
-                "ceilings", "info"):
+                "ceilings", "info", "ab", "compile-check"):
         assert cmd in out
 
 
@@ -207,7 +207,7 @@ def test_tune_candidates_inline_or_from_a_file(tmp_path, monkeypatch):
                               "p90_us": 1.0, "config": "{}"}])
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
-    changes = [{"meta": {"MERGE_LAST": 1}}, {"num_warps": 8}]
+    changes = [{"meta": {"SLOTS": 1}}, {"num_warps": 8}]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(changes))
     for given in (json.dumps(changes), str(path)):

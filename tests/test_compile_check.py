@@ -154,3 +154,117 @@ def test_sm90_loops_compile_a_point_and_list_its_main_loops():
     (name, count, mmas), = every  # 512 groups: keys decoded in the tiles, one kernel
     assert name.startswith("qsa_score_prefill_FMTfp8") and count > 100 and mmas > 0
     assert skipped == []
+
+
+SASS_FIXTURE = REPO / "tests" / "fixtures" / "sass" / "scale_add_sm90.sass"
+
+
+def test_the_opcode_histogram_of_a_compiled_kernel_leaves_out_its_padding():
+    """`scale_add_sm90.sass`: `nvdisasm -c` of this kernel, compiled for sm90 on the CPU
+    (Triton 3.6, signature x/y *fp32, n i32, alpha fp32; BLOCK 128, one warp):
+
+        @triton.jit
+        def scale_add(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            for start in range(0, n, BLOCK * tl.num_programs(0)):
+                offs = start + pid * BLOCK + tl.arange(0, BLOCK)
+                m = offs < n
+                tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=m) * alpha + 1.0, mask=m)
+
+    43 instructions up to the last EXIT; the branch-to-self and 12 NOPs after it are padding."""
+    from qsa.workbench.compile_check import loop_opcodes, sass_opcodes
+
+    sass = SASS_FIXTURE.read_text()
+    hist = sass_opcodes(sass)
+    assert sum(hist.values()) == 43 and "NOP" not in hist
+    assert hist["LDG.E"] == hist["STG.E"] == hist["FFMA"] == 4  # the loop, unrolled 4 times
+    assert hist["EXIT"] == 2 and hist["BRA"] == 1  # the loop's back edge, not the trap
+    loop = loop_opcodes(sass)
+    assert len(loop) == 27 and loop[-1] == "BRA" and loop.count("LDG.E") == 4
+
+
+def test_the_amdgpu_histogram_counts_instruction_lines_only():
+    from qsa.workbench.compile_check import amdgcn_opcodes
+
+    asm = ("\t.text\n\t.globl\tk ; -- Begin function k\nk:\n; %bb.0:\n"
+           "\t.loc\t1 6 0 prologue_end ; k.py:6:0\n\ts_load_dwordx2 s[2:3], s[0:1], 0x0\n"
+           "\ts_waitcnt lgkmcnt(0)\n.LBB0_1:\n\tv_fma_f32 v2, s7, v6, 1.0\n"
+           "\tglobal_store_dword v[0:1], v2, off\n\ts_waitcnt vmcnt(0)\n\ts_endpgm\n"
+           "\t.amdhsa_kernel k\n\t\t.amdhsa_next_free_vgpr 8\n\t.end_amdhsa_kernel\n"
+           "; NumVgprs: 8\n")
+    assert amdgcn_opcodes(asm) == {"s_load_dwordx2": 1, "s_waitcnt": 2, "v_fma_f32": 1,
+                                   "global_store_dword": 1, "s_endpgm": 1}
+
+
+def _row(bucket: int, launch: int, registers: int, **kw) -> dict:
+    return {"arch": "sm90", "op": "sparse_gqa_decode", "index_format": "bf16",
+            "kv_format": "fp8", "fmt": "fp8", "bucket": bucket, "launch": launch,
+            "config": '{"num_warps": 4}', "kernel": f"k{bucket}_{launch}",
+            "registers": registers, "spill_bytes": 0, "shared_bytes": 1024, "status": "ok", **kw}
+
+
+def test_the_diff_pairs_kernels_by_config_and_launch_and_names_what_moved():
+    """Kernels are paired by op, formats, table entry and their place among the entry's
+    launches (names change with every constexpr); counts and the opcodes that moved most are
+    reported, a table entry that changed is flagged, and a failed compile is no kernel."""
+    from qsa.workbench.compile_check import diff_checks
+
+    a = [_row(1, 0, 120, opcodes={"HGMMA.64x64": 8, "LDG.E.128": 4, "FFMA": 10}),
+         _row(1, 1, 30, opcodes={"FADD": 2}), _row(256, 0, 200, opcodes={"FADD": 1}),
+         {"arch": "sm90", "op": "kv_store", "status": "error", "error": "did not compile"}]
+    b = [_row(1, 0, 128, opcodes={"HGMMA.64x128": 4, "HGMMA.64x64": 8, "LDG.E.128": 2,
+                                  "FFMA": 10}),
+         _row(1, 1, 30, opcodes={"FADD": 2}), _row(4096, 0, 90, opcodes={"FADD": 1}),
+         _row(256, 0, 200, opcodes={"FADD": 1}, config='{"num_warps": 8}')]
+    d = diff_checks(a, b).set_index(["bucket", "launch"])
+    assert d.loc[(1, 0), "change"] == "changed" and d.loc[(1, 0), "d_registers"] == 8
+    assert d.loc[(1, 0), "opcodes"] == "HGMMA +4, LDG -2"
+    assert d.loc[(1, 1), "change"] == "same" and d.loc[(1, 1), "opcodes"] == ""
+    assert d.loc[(256, 0), "change"] == "changed" and d.loc[(256, 0), "config"] == "changed"
+    assert d.loc[(4096, 0), "change"] == "only in B" and len(d) == 4
+
+
+def test_compile_check_diff_reads_a_table_or_its_json_and_refuses_compile_options(tmp_path):
+    """`--diff A B` takes a CSV written before the launch column (launch order then comes from
+    the row order) against a `--sass` JSON; it compiles nothing, so compile options are
+    refused."""
+    from typer.testing import CliRunner
+
+    from qsa.cli import app
+
+    old = tmp_path / "old" / "compile_check.csv"
+    old.parent.mkdir()
+    pd.DataFrame([{k: v for k, v in _row(1, i, r).items() if k != "launch"}
+                  for i, r in ((0, 120), (1, 30))]).to_csv(old, index=False)
+    new = tmp_path / "new" / "compile_check.sass.json"
+    new.parent.mkdir()
+    new.write_text(json.dumps({"triton": "3.6.0", "rows": [
+        _row(1, 0, 112, opcodes={"FFMA": 1}), _row(1, 1, 30, opcodes={"FADD": 2})]}))
+    runner = CliRunner()
+    res = runner.invoke(app, ["compile-check", "--diff", str(old.parent), str(new)])
+    assert res.exit_code == 0, res.output
+    assert "2 compiled kernels; changed 1 · same 1 · only in A 0 · only in B 0" in res.output
+    assert "120 -> 112" in res.output
+    res = runner.invoke(app, ["compile-check", "--diff", str(old), str(new), "--arch", "sm90"])
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "--diff compiles nothing; drop --arch" in flat
+
+
+@pytest.mark.slow
+def test_sass_histograms_are_written_beside_the_table_and_diff_to_nothing(tmp_path):
+    out = tmp_path / "cc.csv"
+    res = _check(out, "--arch", "sm90", "--ops", "compress", "--sass")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "cc.sass.json").read_text())
+    table = pd.read_csv(out)
+    assert len(doc["rows"]) == len(table) > 0 and "opcodes" not in table
+    for row, (_, line) in zip(doc["rows"], table.iterrows()):
+        assert sum(row["opcodes"].values()) == row["instructions"] == line["instructions"]
+        assert 0 < row["loop_instructions"] < row["instructions"]
+        assert row["opcodes"]["EXIT"] >= 1 and "NOP" not in row["opcodes"]
+    res = _check(tmp_path / "unused.csv", "--diff", str(out), str(tmp_path / "cc.sass.json"))
+    assert res.returncode == 2  # --out given with --diff
+    res = subprocess.run([sys.executable, "-m", "qsa.cli", "compile-check", "--diff", str(out),
+                          str(tmp_path / "cc.sass.json")], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert res.returncode == 0 and f"same {len(table)} · only in A 0" in res.stdout

@@ -56,8 +56,7 @@ def _case(kv_format: str, group: int, block_size: int, shape: tuple, seed: int =
 
 def _entry_with(kv_format: str, rows: int, **meta: int) -> BlockConfig:
     """This device's table entry with config keys switched: SLOTS (the id -> slot pre-pass),
-    MERGE_LAST (the last split merges instead of the merge kernel), PV_HALVES (the PV product
-    by head-dim halves)."""
+    PV_HALVES (the PV product by head-dim halves), ROWS (rows per program)."""
     entry = get_config("sparse_gqa_decode", backend_and_arch()[1], kv_format, rows)
     return entry.config.with_meta(**meta)
 
@@ -104,42 +103,6 @@ def test_decode_matches_reference(kv_format: str, block_size: int, group: int,
     out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits)
     torch.testing.assert_close(out, ref, **_tol(ref))
     assert torch.equal(out[5], torch.zeros_like(out[5]))
-
-
-class _NoLaunch:
-    """Stands in for a kernel that must not be launched."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("the merge kernel was launched")
-
-
-def test_merge_last_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.version, "hip", None)
-    sparse_gqa._check_merge_last(torch.device("cuda"))  # a CUDA build: allowed
-    monkeypatch.setattr(torch.version, "hip", "6.4")
-    sparse_gqa._check_merge_last(torch.device("cpu"))  # the interpreter: allowed
-    with pytest.raises(KernelInputError, match="NVIDIA-only"):
-        sparse_gqa._check_merge_last(torch.device("cuda"))
-
-
-@pytest.mark.interp_surrogate
-@pytest.mark.parametrize("splits", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_decode_last_split_merges(kv_format: str, splits: int,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """MERGE_LAST: the split that finishes last for its (row, KV head) merges all of them, with
-    no merge kernel; a row without ids (every split empty) still outputs zeros, and a second
-    call on the same shapes merges again (its counters start from zero)."""
-    case, ids = _case(kv_format, 12, 16, DECODE)
-    ids = ids.clone()
-    ids[5] = -1
-    ref = _reference(case, ids, kv_format)
-    config = _entry_with(kv_format, ids.shape[0], MERGE_LAST=1, SLOTS=0)
-    monkeypatch.setattr(sparse_gqa, "_merge_kernel", _NoLaunch())  # the merge kernel stays off
-    for _ in range(2):
-        out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits, config=config)
-        torch.testing.assert_close(out, ref, **_tol(ref))
-        assert torch.equal(out[5], torch.zeros_like(out[5]))
 
 
 @pytest.mark.interp_surrogate
@@ -311,7 +274,7 @@ def test_decode_shared_path_with_splits(kv_format: str, splits: int) -> None:
     g = torch.Generator().manual_seed(5)
     ids[2] = ids[2][torch.randperm(ids.shape[1], generator=g).to(ids.device)]
     ref = _reference(case, ids, kv_format)
-    config = _entry_with(kv_format, ids.shape[0], ROWS=4, MERGE_LAST=0)
+    config = _entry_with(kv_format, ids.shape[0], ROWS=4)
     out = _run(sparse_gqa_decode, case, ids, kv_format, config=config, num_splits=splits)
     torch.testing.assert_close(out, ref, **_tol(ref))
     assert torch.equal(out[5], torch.zeros_like(out[5]))
@@ -338,8 +301,7 @@ def test_plan_sharing_follows_the_measured_union() -> None:
 
 
 def test_row_blocks_refused_where_they_can_not_run() -> None:
-    """ROWS must be a listed power of two, merge its splits with the merge kernel and fit
-    R x G rows into one MMA tile."""
+    """ROWS must be a listed power of two and fit R x G rows into one MMA tile."""
     case, ids = _case("bf16", 12, 16, PREFILL)
 
     def call(**meta: int) -> None:
@@ -348,8 +310,6 @@ def test_row_blocks_refused_where_they_can_not_run() -> None:
 
     with pytest.raises(KernelInputError, match="ROWS 3 must be one of"):
         call(ROWS=3)
-    with pytest.raises(KernelInputError, match="ROWS 4 merges its splits with the merge kernel"):
-        call(ROWS=4, NUM_SPLITS=2, MERGE_LAST=1)
     with pytest.raises(KernelInputError, match="ROWS 8 x GQA group 24 exceeds"):
         p = case.preset.replace(num_q_heads=48)
         sparse_gqa_prefill(torch.empty((ids.shape[0], 48, p.head_dim), device=DEVICE,
@@ -554,20 +514,19 @@ def _gpu_case(kv_format: str, preset_name: str, block_size: int, shape: tuple, s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge_last", [0, 1])
 @pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 @pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 def test_gpu_decode(kv_format: str, block_size: int, preset_name: str,
-                    splits: int | None, slots: int, merge_last: int) -> None:
+                    splits: int | None, slots: int) -> None:
     case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
     ids = ids.clone()
     ids[-1] = -1
     ref = _reference(case, ids, kv_format)
     out = _run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
-               config=_entry_with(kv_format, ids.shape[0], SLOTS=slots, MERGE_LAST=merge_last))
+               config=_entry_with(kv_format, ids.shape[0], SLOTS=slots))
     torch.testing.assert_close(out, ref, **_tol(ref))
 
 
@@ -588,20 +547,18 @@ def test_gpu_decode_pv_halves(kv_format: str, block_size: int, preset_name: str,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge_last", [0, 1])
 @pytest.mark.parametrize("slots", [0, 1])
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int, merge_last: int) -> None:
+def test_gpu_decode_pdl(kv_format: str, splits: int, slots: int) -> None:
     """Programmatic dependent launch (PDL=1) of the pre-pass, attention and merge grids, each
-    waiting for the previous grid before touching memory (with the merge by the last split, the
-    counters' fill sits between the pre-pass and the attention grid): the output is the
-    reference's, also when the call is captured in a CUDA graph and replayed."""
+    waiting for the previous grid before touching memory: the output is the reference's, also
+    when the call is captured in a CUDA graph and replayed."""
     if torch.version.hip is not None or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs NVIDIA sm90 or newer")
     case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_DECODE)
     ref = _reference(case, ids, kv_format)
-    config = _entry_with(kv_format, ids.shape[0], SLOTS=slots, PDL=1, MERGE_LAST=merge_last)
+    config = _entry_with(kv_format, ids.shape[0], SLOTS=slots, PDL=1)
     torch.testing.assert_close(_run(sparse_gqa_decode, case, ids, kv_format, num_splits=splits,
                                     config=config), ref, **_tol(ref))
     q, cache = surrogate(case.q), surrogate_cache(case.cache)

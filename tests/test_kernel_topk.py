@@ -14,8 +14,7 @@ from qsa.configs import BlockConfig
 from qsa.configs import load_table
 from qsa.kernels import topk as topk_module
 from qsa.kernels.common import KernelInputError, lookup, observe_lookups
-from qsa.kernels.topk import (FORMAT, FORMAT_MANY_ROWS, KERNEL, MAX_K, MAX_RADIX_BITS, RADIX_ENV,
-                              topk_expand, work)
+from qsa.kernels.topk import FORMAT, FORMAT_MANY_ROWS, KERNEL, MAX_K, topk_expand, work
 from qsa.paging import PagedBatch
 from qsa.presets import get_preset
 from qsa.reference.score import score_reference, visible_groups
@@ -24,10 +23,9 @@ from support import DEVICE
 from support import compile_for_gpu_targets
 
 POISON = -7  # not a token id and not the -1 pad
-# The k-th key search: bisection (from the top bit, or below the bits the bound shows every
-# candidate shares: config key BOUND), or radix select on D-bit digits ("radixD"; 5 and 11 do
-# not divide 32, so their last digit overlaps decided bits).
-ALGOS = pytest.mark.parametrize("algo", ["bisect", "bisect-bound", "radix8", "radix5"])
+# The k-th key search: bisection from the top bit, or below the bits the bound shows every
+# candidate shares (config key BOUND).
+ALGOS = pytest.mark.parametrize("algo", ["bisect", "bisect-bound"])
 
 
 def _realistic(preset, ctx, rows, fmt="bf16", seed=0, device=DEVICE):
@@ -49,9 +47,7 @@ def _batch(preset, ctx, rows, seed=0, device=DEVICE) -> PagedBatch:
 
 def _search(algo: str) -> dict[str, int]:
     """The meta keys of a search named as in ALGOS."""
-    if algo.startswith("radix"):
-        return {"RADIX_BITS": int(algo[5:]), "BOUND": 0}
-    return {"RADIX_BITS": 0, "BOUND": int(algo == "bisect-bound")}
+    return {"BOUND": int(algo == "bisect-bound")}
 
 
 def _algo(algo: str, n_cols: int, base: BlockConfig | None = None) -> BlockConfig:
@@ -105,8 +101,7 @@ def test_default_k_realistic_scores_multi_chunk(algo: str) -> None:
     _check(s, batch, p, _algo(algo, s.shape[1]))
 
 
-@pytest.mark.parametrize("algo", ["bisect", "bisect-bound", "radix8", "radix5", "radix11",
-                                  "radix1"])
+@ALGOS
 def test_heavy_ties(algo: str) -> None:
     """Mostly exact zeros (ReLU), a few repeated levels, +0 and -0 mixed, whole rows of zeros
     and a row of one constant: ties go to the lower group index."""
@@ -242,8 +237,6 @@ def test_errors() -> None:
         "out shape": lambda: topk_expand(s, batch, p, out=torch.empty(
             3, p.expand_width - 1, dtype=torch.int32, device=DEVICE)),
         "config": lambda: topk_expand(s, batch, p, BlockConfig({"CHUNK": 24})),
-        "radix bits": lambda: topk_expand(s, batch, p, BlockConfig(
-            {"CHUNK": 8, "RADIX_BITS": MAX_RADIX_BITS + 1})),
         "bound": lambda: topk_expand(s, batch, p, BlockConfig({"CHUNK": 8, "BOUND": 2})),
     }
     for what, fn in cases.items():
@@ -258,29 +251,14 @@ def test_topk_compiles_for_gpu_targets() -> None:
            "pos_ptr": "*i32", "ctx_ptr": "*i32", "qs_ptr": "*i32", "batch": "i32",
            "n_cols": "i32"}
     variants = []
-    for block_n, chunk, warps, radix, groups in ((2048, 1024, 4, 0, 0), (32768, 4096, 16, 0, 0),
-                                                 (2048, 1024, 4, 0, 512), (8192, 4096, 16, 0, 512),
-                                                 (8192, 8192, 16, 0, 512), (2048, 2048, 4, 0, 0),
-                                                 (2048, 1024, 4, 8, 0), (32768, 4096, 16, 8, 0),
-                                                 (8192, 2048, 8, 5, 0)):
+    for block_n, chunk, warps, groups in ((2048, 1024, 4, 0), (32768, 4096, 16, 0),
+                                          (2048, 1024, 4, 512), (8192, 4096, 16, 512),
+                                          (8192, 8192, 16, 512), (2048, 2048, 4, 0)):
         consts = {"K": 512, "OUT_W": 2051, "BLOCK_N": block_n, "BLOCK_B": 64, "BLOCK_O": 4096,
-                  "CHUNK": chunk, "RADIX_BITS": radix, "BOUND_GROUPS": groups}
+                  "CHUNK": chunk, "BOUND_GROUPS": groups}
         variants.append(({**sig, **{k: "constexpr" for k in consts}}, consts,
                          {"num_warps": warps}))
     compile_for_gpu_targets("qsa.kernels.topk", "_topk_expand_kernel", variants)
-
-
-def test_env_overrides_table_not_explicit_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QSA_TOPK_RADIX_BITS picks the search for table configs (A/B runs through `qsa bench
-    --env`); an explicit config keeps its own, and a bad value is a clear error."""
-    p = get_preset(block_size=16, topk_groups=8)
-    batch, s = _realistic(p, (130, 77), (2, 3), seed=15)
-    monkeypatch.setenv(RADIX_ENV, "8")
-    _check(s, batch, p)
-    _check(s, batch, p, _algo("bisect", s.shape[1]))
-    monkeypatch.setenv(RADIX_ENV, str(MAX_RADIX_BITS + 1))
-    with pytest.raises(KernelInputError):
-        topk_expand(s, batch, p)
 
 
 def test_work() -> None:

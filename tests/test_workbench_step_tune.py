@@ -117,10 +117,10 @@ def test_config_space_keeps_backends_apart():
     assert {c.num_warps for c in tune_mod.config_space("k", many, "hip", 500)} == {2, 4, 8, 16}
     assert {c.num_warps for c in cuda} == {2, 4, 8}
     # a switch is tried on and off, whichever way the entry has it; a size of 1 stays
-    flags = BlockConfig({"BLOCK_N": 64, "SLOTS": 1, "MERGE_LAST": 0, "SPLIT_MIN_BLOCKS": 1}, 4, 2)
+    flags = BlockConfig({"BLOCK_N": 64, "SLOTS": 1, "PV_HALVES": 0, "SPLIT_MIN_BLOCKS": 1}, 4, 2)
     space = tune_mod.config_space("sparse_gqa_decode", flags, "cuda", max_candidates=500)
-    assert {(c.meta["SLOTS"], c.meta["MERGE_LAST"]) for c in space} == {(0, 0), (0, 1), (1, 0),
-                                                                       (1, 1)}
+    assert {(c.meta["SLOTS"], c.meta["PV_HALVES"]) for c in space} == {(0, 0), (0, 1), (1, 0),
+                                                                      (1, 1)}
     assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1}
     # a count whose 1 is a count, not an off switch (rows per program), is tried doubled
     rows = BlockConfig({"BLOCK_N": 32, "ROWS": 1}, 4, 2)
@@ -129,7 +129,6 @@ def test_config_space_keeps_backends_apart():
     space = tune_mod.config_space("sparse_gqa_prefill", rows.with_meta(ROWS=4), "cuda", 500)
     assert {c.meta["ROWS"] for c in space} == {2, 4, 8}
     hip = tune_mod.config_space("sparse_gqa_decode", flags, "hip", max_candidates=500)
-    assert {c.meta["MERGE_LAST"] for c in hip} == {0}  # NVIDIA-only switch
     assert {c.meta["SLOTS"] for c in hip} == {0, 1}
     # programmatic dependent launch: tried on sm90 and newer only
     pdl = flags.with_meta(PDL=0)
@@ -145,8 +144,8 @@ def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_pat
     defaults, at most MAX_SEEDS) are tried right after the current entry: a neighbourhood can
     not reach them. Entries of another kernel version, with a switch the device can not take,
     an unlaunchable warp count or a malformed body are left out."""
-    def entry(block_n, warps, merge_last=0, **meta):
-        return {"meta": {"BLOCK_N": block_n, "MERGE_LAST": merge_last, **meta},
+    def entry(block_n, warps, pdl=0, **meta):
+        return {"meta": {"BLOCK_N": block_n, "PDL": pdl, **meta},
                 "num_warps": warps, "num_stages": 2}
     base = BlockConfig.from_dict(entry(64, 4))
     table = {"sm90": {"fp8": {"128": entry(64, 4), "4096": entry(16, 8), "256": entry(32, 8),
@@ -154,7 +153,7 @@ def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_pat
                               "16": {"num_warps": 4}},
                       "bf16": {"1": entry(512, 2)}},
              "default": {"fp8": {"1": entry(32, 2)}},
-             "gfx950": {"fp8": {"128": {**entry(128, 4, merge_last=1), "amd": {"kpack": 2}},
+             "gfx950": {"fp8": {"128": {**entry(128, 4, pdl=1), "amd": {"kpack": 2}},
                                 "256": {**entry(256, 4), "amd": {"kpack": 2}}}}}
     (tmp_path / "k.json").write_text(json.dumps(table))
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
@@ -171,7 +170,7 @@ def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_pat
     assert tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda") == seeds[:1]
     monkeypatch.setattr(tune_mod, "MAX_SEEDS", 3)
     # an arch without a section of its own still gets the defaults; on ROCm a seed keeps its
-    # own AMD launch keys and may not switch on the NVIDIA-only merge
+    # own AMD launch keys and may not switch on programmatic dependent launch (NVIDIA sm90+)
     assert tune_mod.table_seeds("k", "gfx942", "fp8", base, 128, "hip") == [seeds[2]]
     hip = tune_mod.table_seeds("k", "gfx950", "fp8", base, 128, "hip")
     assert [(c.meta["BLOCK_N"], c.amd) for c in hip] == [(256, {"kpack": 2}), (32, {})]

@@ -23,13 +23,9 @@ from typing import Any
 TABLE_DIR = Path(__file__).with_name("tables")
 AMD_ONLY_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # Meta keys that switch a step of a kernel on (1) or off (0), such as sparse GQA's id -> slot
-# pre-pass and its merge by the last split, or top-k's bound on the k-th key: the tuner tries
-# both values, where it tries half and double of a size.
-SWITCH_KEYS = ("SLOTS", "MERGE_LAST", "PV_HALVES", "PDL", "BOUND")
-# Switches with a NVIDIA-only implementation, refused on ROCm: the merge by the last split relies
-# on a barrier plus one thread's release ordering every thread's stores, which gfx9's code
-# generation does not give (each wave's stores are not waited for before the barrier).
-CUDA_ONLY_SWITCHES = ("MERGE_LAST",)
+# pre-pass or top-k's bound on the k-th key: the tuner tries both values, where it tries half
+# and double of a size.
+SWITCH_KEYS = ("SLOTS", "PV_HALVES", "PDL", "BOUND")
 # Switches that need NVIDIA sm90 or newer: programmatic dependent launch (an sm90 launch
 # attribute), refused on older GPUs and on ROCm, and off on the interpreter, where grids run
 # one after another anyway. The tuner holds them everywhere else.

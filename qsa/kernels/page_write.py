@@ -3,13 +3,13 @@
 
 Why on the device: a restore may write its staged pages only once every page's content sum
 matches the sum its digest implies. Checked on the host, the arena write waits for the host to
-wake after the last digest, read the sums, compare and issue the write: about 100 us between
-two device operations at the end of every large restore (profiles/nvidia-h200/offload-speed/
-mapped-sums/). Here the check and the write are queued behind the digests while the copy still
-runs: one program per page adds its digest parts and compares them with the expected sum, and
-the write copies only when no page differed. The host still compares the same sums itself and
-requires the device's per-page verdict to agree, so a refusal names the page as before and a
-disagreement can not pass unnoticed.
+wake after the last digest, read the sums, compare and issue the write: a host round trip
+between two device operations at the end of every large restore
+(profiles/nvidia-h200/offload-speed/mapped-sums/NOTES.md). Here the check and the write are
+queued behind the digests while the copy still runs: one program per page adds its digest parts
+and compares them with the expected sum, and the write copies only when no page differed. The
+host still compares the same sums itself and requires the device's per-page verdict to agree,
+so a refusal names the page as before and a disagreement can not pass unnoticed.
 """
 
 from __future__ import annotations

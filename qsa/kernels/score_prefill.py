@@ -25,8 +25,8 @@ row tiles). Hence:
   - addresses keys and scales by request and group: no page table, so neither a table walk in
     the scorer nor an identity table to build (one more kernel per call). With direct
     addresses Triton's pipeliner keeps one more key buffer than through a table: at 3 stages
-    128 KiB of shared memory and one program per sm90 SM, at 2 stages 112 KiB and two
-    (profiles/nvidia-h200/bench/scorers/prefill-dense-keys/);
+    one program fits on an sm90 SM, at 2 stages two
+    (profiles/nvidia-h200/bench/scorers/prefill-dense-keys/NOTES.md);
   - applies the FP8 scales to the score columns, requested before the MMAs and read unmasked
     (profiles/nvidia-h200/bench/scorers/prefill-dense-cols/);
   - on NVIDIA sm90+, is a programmatic dependent launch of the decode pass: it launches while

@@ -1,62 +1,38 @@
 """Sparse GQA over the selected token ids of each query row (spec section 2 step 7), reading BF16
 or FP8 (E4M3 + FP32 per-(token, KV head) scale) K/V tiles from the paged cache.
 
-Design, and why:
-* One program owns one (query row, KV head): the G query heads of that KV head form the M side of
-  one MMA tile (padded to 16, the smallest MMA M, with masked rows), so every K/V byte loaded is
-  used by all G heads (spec 2.7). Rows have independent selections, so rows are not
-  stacked: they would not share K tiles.
-* Token ids are looked up through the page table per token; a selected group is a 4-token run
-  inside one page, so loads are full head_dim rows (512 B in BF16) and never straddle a page.
-  With the config's SLOTS=1 a small kernel first turns every id into its cache slot
-  (block * PAGE + offset, -1 for none), so the K/V gathers in the loop sit one dependent load
-  deep instead of two (ids -> page table -> K/V) and the software pipeliner keeps more tiles
-  in flight; it costs a launch, so the small-batch entries leave it off.
-* A BF16 split of one token block (the batch-1 entries) requests its V tile right after K: a
-  one-iteration loop is folded away, and with it the pipeliner's asynchronous copies that
-  otherwise fetch V ahead. Measured on the H200 at batch 1 x 128K: BF16 13.29 -> 12.74 us;
-  FP8 the same way 12.35 -> 12.73 us (slower: its entry runs 2 warps with V in halves), so
-  FP8 keeps V after the scores (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
+Design, and why (the notes named hold the measurements):
+* One program per (query row, KV head): the G query heads of the KV head are the M side of one
+  MMA tile (padded to 16, the smallest MMA M), so every K/V byte loaded serves all G heads.
+* Ids go through the page table per token (a selected group is 4 tokens of one page). SLOTS=1
+  first turns every id into its cache slot in a small kernel, so the K/V gathers sit one
+  dependent load deep instead of two; it costs a launch, so small batches leave it off
+  (profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md).
+* A BF16 split of one token block requests V right after K: a one-iteration loop loses the
+  pipeliner's copies that would fetch V ahead. FP8 keeps V after the scores, where its entry
+  is faster (profiles/nvidia-h200/bench/attention/early-v/NOTES.md).
 * Online softmax in FP32 in the exp2 domain (log2(e) folded into the scale).
-* FP8 tiles: the key scale multiplies the score column, the value scale is folded into the
-  probability before the PV product (spec 2.7). The codes feed FP16 MMAs, not BF16 ones: on
-  sm90 an E4M3 pair converts to FP16 in one instruction but to BF16 only through two more
-  quarter-rate conversions, which would make FP8 dequantization-bound (on sm90). To keep
-  FP16 in range, q is scaled by a power of two per tile (undone in the score scale) and each
-  row's scaled probabilities are normalised by their tile maximum (undone on the PV result).
-* Decode grids (rows x KV heads) are often far smaller than the device, so the token list is
-  split across programs, each writing a partial output and its log-sum-exp, which are then
-  merged. The split count comes from the config or from the SM/CU count. Two ways to merge,
-  chosen by the config key MERGE_LAST: a merge kernel (a second launch), or the split that
-  finishes last for its (row, KV head) merges all of them itself (counted with one atomic per
-  split, on counters zeroed for each call: a small fill instead of the merge launch). The last
-  split reads the partials one after another, so it pays only with few splits
-  (profiles/nvidia-h200/bench/attention/merge-last/NOTES.md). NVIDIA only: on gfx9 the
-  barrier before the releasing atomic does not wait for every wave's stores.
-* PV_HALVES=1 runs the PV product over each half of the head dim in turn (two accumulators,
-  joined at the end). For FP8 tiles the fp16 staging copy of V that the transposing ldmatrix
-  reads then covers half the columns: at BLOCK_N 128 and 2 stages the program needs 109 KiB of
-  shared memory instead of 141 KiB, so two programs fit on an sm90 SM instead of one (the FP8
-  kernel was bound by instruction issue with one warp per scheduler;
-  profiles/nvidia-h200/bench/attention/sweep-slots/NOTES.md section 5).
+* FP8: the key scale multiplies the score column, the value scale is folded into the
+  probability before the PV product (spec 2.7). The codes feed FP16 MMAs: on sm90 E4M3 converts
+  to FP16 in one instruction but to BF16 only through two more, which would make FP8
+  dequantization-bound. q is scaled by a power of two and each row's probabilities by their
+  tile maximum to keep FP16 in range (both undone in FP32).
+* Decode grids (rows x KV heads) are often smaller than the device, so the token list is split
+  across programs (a count from the config or the SM/CU count), whose partial outputs and
+  log-sum-exps a merge kernel combines.
+* PV_HALVES=1 runs the PV product over each half of the head dim in turn: the FP8 V tile's
+  fp16 staging copy then covers half the columns, so two programs fit on an sm90 SM instead of
+  one (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md).
 * PDL=1 (NVIDIA sm90+) launches the pre-pass, attention and merge grids with programmatic
-  dependent launch: each grid lets the next one launch at its start, and waits for the previous
-  one before it touches memory, so a grid's launch and scheduling overlap the previous grid's
-  run. On the H200 it moved batch 1 and 8 calls by -3% to +6%, about the noise
-  (profiles/nvidia-h200/bench/attention/pv-halves/NOTES.md): the launch gap is a small part
-  of them.
+  dependent launch, so a grid's launch overlaps the previous grid's run (same note).
 * Prefill is the same kernel, unsplit, with its own throughput-sized block config.
-* The shared (tile-union) path, config key ROWS=R > 1: a program owns R consecutive rows, M
-  holds R x G (row, query head) pairs, and it walks the union of the rows' selections
-  (`qsa.kernels.row_union`: cache slots, each once, with a bit per row that selected it), so
-  a K/V tile several rows selected is loaded once, and each score a row did not select is
-  masked to -inf: every row attends exactly its own selection. It trades K/V bytes for
-  matrix work (R x G rows per tile over every union token), so it pays only where the rows'
-  selections overlap: `plan_sharing` measures a call's union and chooses per call between
-  the per-row entry (table format "bf16"/"fp8") and the shared one ("bf16-shared"/
-  "fp8-shared", whose SHARE_MAX_UNION is the largest union, in hundredths of one row's ids,
-  at which it is chosen). Split calls deal a union's tiles to the splits in turn, so the
-  splits stay even whatever the union's length (profiles/selection-overlap/NOTES.md).
+* ROWS=R > 1, the shared (tile-union) path: a program owns R consecutive rows (M = R x G) and
+  walks the union of their selections (`qsa.kernels.row_union`), masking each score its row
+  did not select, so a K/V tile several rows selected is loaded once. It trades K/V bytes for
+  matrix work, so `plan_sharing` measures a call's union and chooses per call between the
+  per-row entries ("bf16"/"fp8") and the shared ones ("bf16-shared"/"fp8-shared", chosen up
+  to a union of SHARE_MAX_UNION hundredths of one row's ids); split calls deal the union's
+  tiles to the splits in turn (profiles/selection-overlap/NOTES.md).
 """
 
 from __future__ import annotations
@@ -92,9 +68,8 @@ ROWS_PER_PROGRAM = (1, 2, 4, 8)  # config key ROWS: consecutive rows sharing one
 SHARED = "-shared"  # table format suffix of the shared (tile-union) path's entries
 # Meta keys of a table entry that steer the host side, not the attention kernel's constexprs.
 _HOST_KEYS = ("NUM_SPLITS", "SPLIT_RESIDENT_PER_SM", "SPLIT_MIN_BLOCKS", "MERGE_BLOCK_D",
-              "MERGE_WARPS", "SLOTS", "MERGE_LAST", "PDL", "SHARE_MAX_UNION")
-_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "MERGE_SPLITS", "PV_HALVES",
-              "PDL", "ROWS")
+              "MERGE_WARPS", "SLOTS", "PDL", "SHARE_MAX_UNION")
+_REPR_KEYS = ("FP8", "G", "BLOCK_M", "D", "BLOCK_N", "PAGE", "SPLIT", "PV_HALVES", "PDL", "ROWS")
 
 
 def _attention_repr(spec) -> str:
@@ -143,7 +118,7 @@ def _fp16_operand(v, BLOCK_N: tl.constexpr, D: tl.constexpr):
       which then reads the 8-bit codes byte by byte (no 8-bit transposing ldmatrix on sm90);
     * Triton sizes the operand's k-width from the narrowest load it can trace the value back
       to (8 bits here), and the wider k-width makes ldmatrix.trans read 4-way bank-conflicted
-      rows (41% of all shared-memory wavefronts of the kernel).
+      rows.
     A max over a size-1 axis is an identity that neither the conversion hoisting nor that trace
     goes through."""
     return tl.max(tl.reshape(v.to(tl.float16), (BLOCK_N, D, 1)), axis=2).to(tl.float16)
@@ -173,39 +148,9 @@ def _pv_accumulate(acc, pw, v, alpha, r, FP8: tl.constexpr, BLOCK_N: tl.constexp
     return acc
 
 
-@triton.jit
-def _split_weights(lse, AXIS: tl.constexpr):
-    """Log-sum-exp merge weights of split partials along AXIS, relative to the largest, and
-    their sum. A split with no token has lse -inf and weight 0; when no split has one, every
-    weight is 0 (not NaN) and so is the sum."""
-    top = tl.max(lse, axis=AXIS)
-    top = tl.where(top > float("-inf"), top, 0.0)
-    w = tl.exp2(lse - tl.expand_dims(top, AXIS))
-    return w, tl.sum(w, axis=AXIS)
-
-
-@triton.jit
-def _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
-                      SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
-    """Log-sum-exp merge of the SPLITS partials of one (row, KV head), run by the split that
-    arrived last. The partials were written by other programs: they are read after the
-    acquiring atomic that counted them, with .cg (past L1 on NVIDIA)."""
-    s = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + part0[:, None] + s[None, :], mask=hmask[:, None] & (s < SPLITS)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    w, den = _split_weights(lse, 1)
-    acc = tl.zeros([w.shape[0], D], tl.float32)
-    for j in range(SPLITS):
-        o = tl.load(po_ptr + (part0 + j)[:, None] * D + d[None, :], mask=hmask[:, None],
-                    other=0.0, cache_modifier=".cg")
-        acc += o * tl.sum(tl.where(s[None, :] == j, w, 0.0), axis=1)[:, None]
-    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-
-
 @triton.jit(repr=_attention_repr)
 def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx_ptr, qs_ptr,
-                       out_ptr, po_ptr, lse_ptr, aux_ptr,
+                       out_ptr, po_ptr, lse_ptr, row_bits_ptr, union_len_ptr,
                        batch, num_blocks, max_pages, width, num_splits,
                        stride_qr, stride_qh, stride_ir, stride_bt, stride_kb, stride_vb,
                        stride_ksb, stride_vsb, stride_or, stride_oh, qk_scale,
@@ -213,9 +158,8 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        SPLIT_BLOCKS: tl.constexpr, BATCH_P2: tl.constexpr,
                        FP8: tl.constexpr, SPLIT: tl.constexpr, PREFILL: tl.constexpr,
-                       SLOTS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-                       MERGE_SPLITS_P2: tl.constexpr, PV_HALVES: tl.constexpr,
-                       PDL: tl.constexpr, ROWS: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
+                       SLOTS: tl.constexpr, PV_HALVES: tl.constexpr, PDL: tl.constexpr,
+                       ROWS: tl.constexpr, RUNTIME_TRIPS: tl.constexpr):
     if PDL:
         _follow_previous_grid()
     pid = tl.program_id(0)
@@ -264,15 +208,15 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
     if PV_HALVES:
         acc_hi = tl.zeros([BLOCK_M, DV], tl.float32)
     head_off = head * D
-    # aux: the merge's arrival counters (MERGE_LAST), or per row block its rows' bits for each
-    # union entry, then the union's length in column `width` (ROWS > 1); never both at once
-    aux_row = aux_ptr + block.to(tl.int64) * stride_ir
     if ROWS > 1:
-        # A union's tiles are dealt to the splits in turn (tile i to split i % num_splits), so
-        # the splits stay even whatever its length. A constexpr trip count under the
-        # interpreter (Triton 3.6's can not take a runtime range bound under numpy >= 2.4):
-        # the tiles past the union are all masked there.
-        length = tl.load(aux_row + width)
+        # The row block's union: which of its rows selected each entry (bit r for row r) and
+        # the union's length, both at the ids' row stride. Its tiles are dealt to the splits
+        # in turn (tile i to split i % num_splits), so the splits stay even whatever its
+        # length. A constexpr trip count under the interpreter (Triton 3.6's can not take a
+        # runtime range bound under numpy >= 2.4): the tiles past the union are all masked
+        # there.
+        row_bits = row_bits_ptr + block.to(tl.int64) * stride_ir
+        length = tl.load(union_len_ptr + block.to(tl.int64) * stride_ir)
     # One row per program: whole blocks per split make the constexpr count exact.
     for i in range(tl.cdiv(tl.maximum(tl.cdiv(length, BLOCK_N) - split, 0), num_splits)
                    if RUNTIME_TRIPS else SPLIT_BLOCKS):
@@ -284,7 +228,7 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
             inside = n < width
         ids = tl.load(ids_row + n, mask=inside, other=-1)
         if ROWS > 1:  # which of the program's rows selected each id: bit r of its mask
-            bits = tl.load(aux_row + n, mask=inside, other=0)
+            bits = tl.load(row_bits + n, mask=inside, other=0)
         if SLOTS:
             # ids are cache slots (block * PAGE + offset, -1 for none): one dependent level
             valid = ids >= 0
@@ -338,7 +282,6 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         acc = tl.reshape(tl.permute(tl.join(acc, acc_hi), (0, 2, 1)), (BLOCK_M, D))
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    out_off = qrow64 * stride_or + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:  # partials in [rows, Hq, splits] order
         if ROWS > 1:
             part0 = ((row + r_m).to(tl.int64) * (HKV * G) + heads) * num_splits
@@ -347,14 +290,9 @@ def _sparse_gqa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ids_ptr, bt_ptr, ctx
         tl.store(po_ptr + (part0 + split)[:, None] * D + d[None, :], o, mask=hmask[:, None])
         tl.store(lse_ptr + part0 + split, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)),
                                                    float("-inf")), mask=hmask)
-        if MERGE_SPLITS > 0:
-            # Every thread's partial is stored before the one releasing atomic counts it.
-            tl.debug_barrier()
-            if tl.atomic_add(aux_ptr + unit, 1, sem="acq_rel") == MERGE_SPLITS - 1:
-                _merge_own_splits(po_ptr, lse_ptr, out_ptr, part0, out_off, hmask, d,
-                                  MERGE_SPLITS, MERGE_SPLITS_P2, D)
     else:
-        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(out_ptr + qrow64 * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit(repr=kernel_repr("sparse_gqa_merge", ["D", "BLOCK_S", "BLOCK_D", "PDL"]))
@@ -369,7 +307,11 @@ def _merge_kernel(po_ptr, lse_ptr, out_ptr, num_splits, stride_or, stride_oh,
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = s < num_splits
     lse = tl.load(lse_ptr + rh * num_splits + s, mask=live, other=float("-inf"))
-    w, den = _split_weights(lse, 0)
+    # Weights relative to the largest. A split with no token has lse -inf and weight 0; when no
+    # split has one, every weight is 0 (not NaN) and so is their sum.
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0))
+    den = tl.sum(w, axis=0)
     o = tl.load(po_ptr + (rh * num_splits + s)[:, None] * D + d[None, :], mask=live[:, None],
                 other=0.0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
@@ -524,9 +466,6 @@ def _plan(kernel: str, fmt: str, rows: int, hkv: int, width: int, device: torch.
             f"config: BLOCK_N {block_n} must be a power of two >= 16")
     per = kw["ROWS"]
     require(per in ROWS_PER_PROGRAM, f"config: ROWS {per} must be one of {ROWS_PER_PROGRAM}")
-    if per > 1:  # one token list per row block: the union of its rows' lists
-        require(not host.get("MERGE_LAST", 0),
-                f"config: ROWS {per} merges its splits with the merge kernel; use MERGE_LAST 0")
     units = triton.cdiv(rows, per) * hkv
     if num_splits is None:
         # A union is at least one row's width and at most `per` of them: splits are sized for
@@ -568,14 +507,6 @@ def _check_impl(cfg: BlockConfig, kernel: str, fmt: str) -> str:
     require(kernel == KERNEL_DECODE and not fmt.endswith(SHARED),
             f"config: impl {cfg.impl} implements the per-row decode path, not {kernel} {fmt}")
     return cfg.impl
-
-
-def _check_merge_last(device: torch.device) -> None:
-    """The merge by the last split is NVIDIA-only (module docstring): refused on ROCm."""
-    if device.type == "cuda" and torch.version.hip is not None:
-        raise KernelInputError("config: MERGE_LAST=1 is NVIDIA-only (on ROCm the barrier before "
-                               "the releasing atomic does not order every wave's stores); use "
-                               "MERGE_LAST=0")
 
 
 def _use_pdl(host: dict[str, int]) -> bool:
@@ -626,9 +557,11 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     slots = bool(host.get("SLOTS", 0)) or per > 1 or gluon
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
-    ids = aux = token_ids  # aux: an unread placeholder unless a union's bits or the counters
+    ids = row_bits = union_len = token_ids  # the union's bits and length: unread unless ROWS > 1
     if per > 1:
-        ids, aux = row_block_union(token_ids, batch, per, kc.shape[0])
+        # one table [blocks, n + 1]: the row bits, then the length in column n
+        ids, union = row_block_union(token_ids, batch, per, kc.shape[0])
+        row_bits, union_len = union[:, :-1], union[:, -1]
     elif slots:
         ids = torch.empty((rows, width), dtype=torch.int32, device=q.device)
         _slots_kernel[(rows, triton.cdiv(width, 1024))](
@@ -636,19 +569,11 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             batch.batch, kc.shape[0], batch.block_table.shape[1], width, token_ids.stride(0),
             batch.block_table.stride(0), PAGE=batch.block_size, BLOCK=1024, BATCH_P2=bp2,
             PDL=pdl, num_warps=4, **pdl_kw)
-    merge_last = split and bool(host.get("MERGE_LAST", 0))
-    if merge_last:
-        _check_merge_last(q.device)
     if split:
         po = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = lse = out  # unread placeholders
-    # Arrival counters, one per (row, KV head), zeroed per call (a fill launch, a graph node
-    # under capture): a buffer kept across calls would be shared by launches on concurrent
-    # streams.
-    if merge_last:
-        aux = torch.zeros(units, dtype=torch.int32, device=q.device)
     if gluon:
         sparse_gqa_gluon.launch(q, kc, vc, ks, vs, ids, out, po, lse, num_splits=num_splits,
                                 split_blocks=split_blocks, hkv=hkv, g=g, page=batch.block_size,
@@ -657,7 +582,7 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     else:
         _sparse_gqa_kernel[(units * num_splits,)](
             q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,
-            out, po, lse, aux,
+            out, po, lse, row_bits, union_len,
             batch.batch, kc.shape[0], batch.block_table.shape[1], ids.shape[1], num_splits,
             q.stride(0), q.stride(1), ids.stride(0), batch.block_table.stride(0),
             kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0), out.stride(0), out.stride(1),
@@ -665,10 +590,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
             HKV=hkv, G=g, D=d, BLOCK_M=max(MIN_M, triton.next_power_of_2(per * g)),
             PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
             BATCH_P2=bp2, FP8=fp8, SPLIT=split, PREFILL=kernel == KERNEL_PREFILL, SLOTS=slots,
-            MERGE_SPLITS=num_splits if merge_last else 0,
-            MERGE_SPLITS_P2=triton.next_power_of_2(num_splits) if merge_last else 1, PDL=pdl,
-            RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
-    if split and not merge_last:
+            PDL=pdl, RUNTIME_TRIPS=per > 1 and not common.interpreting(), **kw, **pdl_kw)
+    if split:
         block_d = min(d, host.get("MERGE_BLOCK_D", d))
         _merge_kernel[(rows * hq, d // block_d)](
             po, lse, out, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,

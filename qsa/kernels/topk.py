@@ -16,22 +16,15 @@ here, not fused into the scorers. Why:
 
 Selection (one program per row, the row held in registers):
 * Scores map to order-preserving uint32 keys (-0 folded onto +0, so equal scores are equal keys).
-* The k-th largest key (the threshold) is found by one of two searches, picked by the config's
-  meta key RADIX_BITS (a constexpr, so both can be A/B timed; `QSA_TOPK_RADIX_BITS` in the
-  environment overrides the table's value, not an explicit config's):
-  - RADIX_BITS = 0, bisection on the key's bits, most significant first: a candidate bit is
-    kept while at least k keys are >= prefix | bit. Each pass is one compare + count per key
-    (~3 instructions) and one block reduction; it stops once exactly k keys are >= the prefix
-    (about 20 passes for continuous scores), else after 32 (ties). With the meta key BOUND=1
-    it starts below the bits every candidate for the k-th key shares: that key lies between
-    the largest key and the smallest of k (rounded up to a power of two) group maxima, two
-    reductions that skip the bits above the highest one where those bounds differ.
-  - RADIX_BITS = D > 0, radix select: ceil(32 / D) passes, each a `tl.histogram` of the next D
-    bits over the keys that match the prefix found so far; a suffix sum over the bins gives
-    the digit of the k-th largest key. Fewer passes (4 at D = 8) and block-wide syncs, but the
-    histogram costs per key ~3 D ballot instructions plus 2^D / 32 bin masks and popcounts
-    (~60 at D = 8, ~28 at D = 5), against bisection's ~3 per pass. It stops early once the
-    chosen bin holds exactly the keys still needed.
+* The k-th largest key (the threshold) is found by bisection on the key's bits, most
+  significant first: a candidate bit is kept while at least k keys are >= prefix | bit. Each
+  pass is one compare + count per key (~3 instructions) and one block reduction; it stops once
+  exactly k keys are >= the prefix, else after 32 (ties). With the meta key BOUND=1 it starts
+  below the bits every candidate for the k-th key shares: that key lies between the largest key
+  and the smallest of k (rounded up to a power of two) group maxima, two reductions that skip
+  the bits above the highest one where those bounds differ. A radix select (a histogram of
+  several bits per pass) needs fewer passes but costs more per key, and was not faster
+  (profiles/nvidia-h200/bench/topk/warps/NOTES.md).
 * A last pass streams the row in chunks (or, when the config's CHUNK covers the row, takes the
   keys already in registers) and keeps every key > threshold plus, among keys equal to
   it, the lowest group indices (the spec's tie rule, so a 1-row decode and a 4-row verify of the
@@ -44,8 +37,6 @@ Selection (one program per row, the row held in registers):
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -61,9 +52,8 @@ from qsa.presets import ModelPreset
 KERNEL = "topk"
 FORMAT = "fp32"  # the config table's format key: the scores' dtype
 # Calls of at least MANY_ROWS rows (prefill chunks) read the table under FORMAT_MANY_ROWS: with
-# many programs per SM, throughput decides and fewer warps per row win (4,096 rows x 16K
-# candidates: 4 warps 563 us, 16 warps 777 us), while a decode call's few rows are latency-bound
-# (128 rows x 16K: 4 warps 40.2 us, 16 warps 30.4 us; profiles/nvidia-h200/bench/topk/rows-axis/).
+# many programs per SM, throughput decides and fewer warps per row win, while a decode call's
+# few rows are latency-bound and want more (profiles/nvidia-h200/bench/topk/rows-axis/NOTES.md).
 MANY_ROWS = 2048
 FORMAT_MANY_ROWS = "fp32-many-rows"
 MAX_BATCH = 8192  # the row -> request lookup holds one lane per request
@@ -73,8 +63,6 @@ EQ_BITS = tl.constexpr(17)
 EQ_MASK = tl.constexpr((1 << EQ_BITS.value) - 1)
 MAX_CANDIDATES = 1 << EQ_BITS.value
 MAX_K = (1 << (31 - EQ_BITS.value)) - 1
-MAX_RADIX_BITS = 11  # 2048 bins: beyond that a histogram pass costs more than it saves
-RADIX_ENV = "QSA_TOPK_RADIX_BITS"  # overrides the table's RADIX_BITS (A/B runs)
 
 
 @triton.jit
@@ -112,9 +100,8 @@ def _kth_key_bisect(key, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_GROUPS
     BOUND_GROUPS = G > 0 (G >= K, G <= BLOCK_N) starts below the bits every candidate shares:
     the k-th key lies between the smallest of G group maxima (G distinct keys are >= it) and
     the largest key, so the bits above the highest one where those two differ are the k-th
-    key's too (config key BOUND). Two reductions instead of one per shared bit: on the
-    workbench's scores at 8K candidates they skip 7 of about 20 passes, at 2K candidates
-    (groups of 4) one (profiles/nvidia-h200/bench/topk/bound/)."""
+    key's too (config key BOUND). Two reductions instead of one per shared bit, which pays
+    where many top bits are shared (profiles/nvidia-h200/bench/topk/bound/NOTES.md)."""
     prefix = tl.zeros((), tl.uint32)
     n_ge = n  # keys >= prefix, or n before the first pass (n > K: not an early exit)
     i = tl.zeros((), tl.int32)
@@ -138,34 +125,6 @@ def _kth_key_bisect(key, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_GROUPS
 
 
 @triton.jit
-def _kth_key_radix(key, n, K: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """Radix select, most significant digit first; same contract as `_kth_key_bisect`.
-    `fixed` marks the bits decided so far; `rem` is how many keys sharing the prefix still go
-    in. The last digit may overlap decided bits (32 % D != 0): for keys matching the prefix
-    those bits are constant, so the digit still orders them."""
-    NUM_BINS: tl.constexpr = 1 << RADIX_BITS
-    DIGIT: tl.constexpr = NUM_BINS - 1
-    bins = tl.arange(0, NUM_BINS)
-    prefix = tl.zeros((), tl.uint32)
-    fixed = tl.zeros((), tl.uint32)
-    rem = tl.full((), K, tl.int32)
-    in_bin = n  # keys sharing the prefix
-    lo = tl.full((), 32, tl.int32)
-    while (lo > 0) & (in_bin != rem):
-        lo = tl.maximum(lo - RADIX_BITS, 0)
-        digit = ((key >> lo.to(tl.uint32)) & DIGIT).to(tl.int32)
-        hist = tl.histogram(digit, NUM_BINS, mask=(key & fixed) == prefix)
-        ge = tl.cumsum(hist, 0, reverse=True)  # keys sharing the prefix with digit >= bin
-        d = tl.sum((ge >= rem).to(tl.int32)) - 1  # ge is non-increasing: the last bin >= rem
-        at = bins == d
-        in_bin = tl.sum(tl.where(at, hist, 0))
-        rem -= tl.sum(tl.where(at, ge, 0)) - in_bin
-        prefix |= d.to(tl.uint32) << lo.to(tl.uint32)
-        fixed |= tl.full((), DIGIT, tl.uint32) << lo.to(tl.uint32)
-    return prefix
-
-
-@triton.jit
 def _select_chunk(kc, gc, n, prefix, need, seen, out_row):
     """Write the token ids of the selected groups among keys `kc` of groups `gc`, given the
     packed counts of the groups before them (`seen`); returns this chunk's packed counts."""
@@ -181,12 +140,11 @@ def _select_chunk(kc, gc, n, prefix, need, seen, out_row):
     return tl.sum(packed)
 
 
-@triton.jit(repr=kernel_repr(KERNEL, ("K", "BLOCK_N", "CHUNK", "RADIX_BITS", "BOUND_GROUPS")))
+@triton.jit(repr=kernel_repr(KERNEL, ("K", "BLOCK_N", "CHUNK", "BOUND_GROUPS")))
 def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_ptr, qs_ptr,
                         batch, n_cols, K: tl.constexpr, OUT_W: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr,
-                        CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-                        BOUND_GROUPS: tl.constexpr):
+                        CHUNK: tl.constexpr, BOUND_GROUPS: tl.constexpr):
     row = tl.program_id(0)
     bb = tl.arange(0, BLOCK_B)
     ends = tl.load(qs_ptr + 1 + bb, mask=bb < batch, other=2147483647)
@@ -213,10 +171,7 @@ def _topk_expand_kernel(scores_ptr, s_stride, out_ptr, o_stride, pos_ptr, ctx_pt
                  mask=o < OUT_W)
     else:
         key = _order_keys(x, g < n)
-        if RADIX_BITS == 0:
-            prefix = _kth_key_bisect(key, n, K, BLOCK_N, BOUND_GROUPS)
-        else:
-            prefix = _kth_key_radix(key, n, K, RADIX_BITS)
+        prefix = _kth_key_bisect(key, n, K, BLOCK_N, BOUND_GROUPS)
         # Keys > prefix all go in; keys == prefix go in by ascending group while slots remain.
         # Each selected group's slot = #greater before it + min(#equal before it, slots left).
         need = K - tl.sum((key > prefix).to(tl.int32))  # slots left for keys == prefix
@@ -292,21 +247,14 @@ def topk_expand(scores: torch.Tensor, batch: PagedBatch, preset: ModelPreset,
     cfg, kw = lookup(KERNEL, table_format(rows), n_cols, config)
     require(cfg.meta.get("CHUNK", 0) >= 1 and triton.next_power_of_2(cfg.meta["CHUNK"])
             == cfg.meta["CHUNK"], f"config: meta CHUNK must be a power of two, got {cfg.meta}")
-    radix = int(os.environ.get(RADIX_ENV, cfg.meta.get("RADIX_BITS", 0)) if config is None
-                else cfg.meta.get("RADIX_BITS", 0))
-    require(0 <= radix <= MAX_RADIX_BITS, f"config: meta RADIX_BITS must be 0 (bisection) .. "
-            f"{MAX_RADIX_BITS}, got {radix}")
     block_n = triton.next_power_of_2(max(n_cols, 1))
-    if radix:  # tl.histogram counts every lane's elements: give each lane (up to wave64) its own
-        block_n = max(block_n, 64 * cfg.num_warps)
     kw["CHUNK"] = min(cfg.meta["CHUNK"], block_n)  # the final pass's chunk, at most the row
-    kw["RADIX_BITS"] = radix
     bound = kw.pop("BOUND", 0)  # an entry written before the switch existed: off
     require(bound in (0, 1), f"config: meta BOUND must be 0 or 1, got {bound}")
     # K groups or more (a power of two) within the row's block; rows of at most K groups never
     # search (dense causal), so a block that small needs no bound
     groups = triton.next_power_of_2(k)
-    kw["BOUND_GROUPS"] = groups if bound and not radix and block_n >= groups else 0
+    kw["BOUND_GROUPS"] = groups if bound and block_n >= groups else 0
     _topk_expand_kernel[(rows,)](
         scores, scores.stride(0), out, out.stride(0), batch.positions, batch.context_lens,
         batch.query_start, batch.batch, n_cols, K=k, OUT_W=width, BLOCK_N=block_n,

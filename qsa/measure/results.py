@@ -193,10 +193,13 @@ def _utc_now() -> str:
 
 def start_run(kind: str, root: str | Path = "profiles", device: DeviceInfo | None = None, *,
               configs: Any = None, timing_method: str | None = None,
-              extra: Mapping[str, Any] | None = None) -> RunWriter:
+              extra: Mapping[str, Any] | None = None,
+              git: Mapping[str, Any] | None = None) -> RunWriter:
     """Create `<root>/<device slug>/<run id>/` and its run.json; add records, then `finish()`.
 
     configs and extra must be JSON-serializable; they are checked here, before any work runs.
+    git: the state of the code that was measured, where that is not this checkout (`qsa ab`
+    measures other revisions); default `git_state()`.
     """
     if device is None:
         from qsa.measure.device import detect_device  # device.py imports this module
@@ -207,7 +210,8 @@ def start_run(kind: str, root: str | Path = "profiles", device: DeviceInfo | Non
             "versions": {"python": platform.python_version(), "numpy": np.__version__,
                          "pandas": pd.__version__, "torch": device.torch_version,
                          "triton": device.triton_version},
-            "host": platform.node(), "git": git_state(), "env": env_toggles(),
+            "host": platform.node(), "git": dict(git) if git is not None else git_state(),
+            "env": env_toggles(),
             "configs": configs, "timing_method": timing_method, "extra": dict(extra or {})}
     try:
         json.dumps(meta)

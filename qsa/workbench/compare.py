@@ -228,11 +228,15 @@ def run_differences(meta_a: Mapping[str, Any], meta_b: Mapping[str, Any]) -> dic
 
 
 def _run_label(meta: Mapping[str, Any], diff: Mapping[str, Any], side: int) -> str:
-    """A label naming what sets this run apart: its env toggles or commit, else its run id."""
+    """A label naming what sets this run apart: its env toggles, or its revision (as `qsa ab`
+    records it: HEAD~1, working tree) and commit, else its run id."""
     parts = [f"{k}={v[side]}" for k, v in diff.get("env", {}).items()]
-    if "commit" in diff.get("git", {}):
-        commit = diff["git"]["commit"][side]
-        parts.append(f"commit {commit[:10] if commit else 'unknown'}")
+    git = diff.get("git", {})
+    if "commit" in git or "revision" in git:
+        commit = (meta.get("git") or {}).get("commit")
+        name = f"commit {commit[:10] if commit else 'unknown'}"
+        revision = (meta.get("git") or {}).get("revision")
+        parts.append(f"{revision} ({name})" if revision else name)
     return ", ".join(parts) or meta["run_id"]
 
 

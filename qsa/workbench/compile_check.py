@@ -8,7 +8,10 @@ constexprs are exactly what a launch on that device would compile: a stand-in dr
 the target, every launch becomes a warm-up (compile, no run), and the table lookup sees the
 target's arch and backend (AMD launch keys included). Inputs are the smoke suite's shapes, in
 production dtypes (bf16, and the arch's FP8 flavour). Registers, spills and shared memory come
-from the compiled code: `ptxas -v` for sm90, the AMDGPU kernel descriptor for gfx9.
+from the compiled code: `ptxas -v` for sm90, the AMDGPU kernel descriptor for gfx9. With
+`sass`, each kernel's opcode histogram too (the SASS from the nvdisasm Triton ships on sm90, the
+instructions of the assembly Triton keeps on gfx9), so two revisions' outputs can be diffed
+(`diff_checks`) before anything reaches a GPU.
 
 It must run without TRITON_INTERPRET (the interpreter never compiles); `qsa compile-check`
 starts it in its own process, one process and a fresh Triton cache per target.
@@ -20,16 +23,19 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 import pkgutil
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 # arch -> (backend, Triton arch, warp size, SMs / CUs of the GPU the tables are for: H200,
@@ -45,6 +51,16 @@ SHARED_LIMIT = {"sm90": 227 * 1024, "gfx950": 160 * 1024, "gfx942": 64 * 1024}
 PRESET = "qwen3.8-flash-next"  # the model's dimensions, on the smoke suite's small shapes
 SPILLS_MEASURED = "spills (tuned on the device: kept)"
 PASSING = ("ok", SPILLS_MEASURED)
+# Beside the table `X.csv`, `X.sass.json` holds its rows with their opcode histograms.
+SASS_SUFFIX = ".sass.json"
+HISTOGRAMS = ("opcodes", "loop_opcodes")  # the columns of the JSON that the CSV leaves out
+# Per-kernel counts a row may lack (a failed compile, another target's or a run without
+# `sass`): what a diff moves, and what the table writes as integers.
+COUNTS = ("registers", "sgprs", "spill_bytes", "shared_bytes", "instructions",
+          "loop_instructions")
+# What identifies a compiled kernel across two outputs, with its place among the kernels its
+# config launches (names change with every constexpr, so they can not be the key).
+DIFF_KEYS = ("arch", "op", "index_format", "kv_format", "fmt", "bucket", "launch")
 
 
 class CompileCheckError(RuntimeError):
@@ -189,6 +205,39 @@ def loop_opcodes(sass: str) -> list[str]:
     return [op for addr, op, _ in lines if lo <= int(addr, 16) <= hi] if hi else []
 
 
+def sass_opcodes(sass: str) -> Counter[str]:
+    """Opcode histogram of a kernel's SASS, without padding (NOPs and the branch-to-self after
+    the last EXIT), whose count follows the code's size and alignment, not what it does."""
+    labels = {m.group(1): int(m.group(2), 16) for m in _SASS_LABEL.finditer(sass)}
+    hist: Counter[str] = Counter()
+    for addr, op, rest in _SASS_LINE.findall(sass):
+        target = re.search(r"\.(L_x_\d+)", rest)
+        to_self = target is not None and labels.get(target.group(1)) == int(addr, 16)
+        if op == "NOP" or (op == "BRA" and to_self):
+            continue
+        hist[op] += 1
+    return hist
+
+
+def amdgcn_opcodes(asm: str) -> Counter[str]:
+    """Instruction histogram of a gfx9 kernel's assembly (`kernel.asm["amdgcn"]`): the mnemonic
+    of every instruction line (a tab, then a lower-case word); directives, labels and comments
+    are left out."""
+    return Counter(re.findall(r"^\t([a-z][a-z0-9_]*)", asm, re.M))
+
+
+def isa_record(arch: str, kernel: Any) -> dict[str, Any]:
+    """A compiled kernel's instruction count and opcode histogram; on sm90 also its main loop's
+    (`loop_opcodes`), the count the compile-loop comparisons of kernel changes followed."""
+    if TARGETS[arch][0] != "cuda":
+        hist = amdgcn_opcodes(kernel.asm["amdgcn"])
+        return {"instructions": sum(hist.values()), "opcodes": dict(hist)}
+    sass = sm90_sass(kernel.asm["cubin"])
+    hist, loop = sass_opcodes(sass), loop_opcodes(sass)
+    return {"instructions": sum(hist.values()), "loop_instructions": len(loop),
+            "opcodes": dict(hist), "loop_opcodes": dict(Counter(loop))}
+
+
 def sm90_loops(point: Any, skip: str = "") -> list[tuple[str, Any, list[str]]]:
     """(name, compiled kernel, `loop_opcodes`) of every kernel a workbench point launches,
     compiled for sm90 on this machine (its inputs built on the CPU, nothing runs), leaving out
@@ -236,10 +285,12 @@ def _status(usage_: dict[str, int], arch: str, measured: bool) -> str:
     return "exceeds shared memory" if usage_["shared_bytes"] > SHARED_LIMIT[arch] else "ok"
 
 
-def check(arch: str, ops_filter: set[str] | None = None) -> list[dict[str, Any]]:
+def check(arch: str, ops_filter: set[str] | None = None,
+          sass: bool = False) -> list[dict[str, Any]]:
     """One row per (smoke point, table entry of its kernel and format, launched kernel);
     status "ok", "spills", SPILLS_MEASURED (an entry the tuner timed on the target, spills
-    and all: not a failure), "exceeds shared memory" or "error" (did not compile)."""
+    and all: not a failure), "exceeds shared memory" or "error" (did not compile). With
+    `sass`, every compiled kernel's `isa_record` too."""
     import qsa.kernels
     from qsa.presets import as_preset
     from qsa.workbench.ops import KERNEL_OF, Point, prepare
@@ -273,10 +324,11 @@ def check(arch: str, ops_filter: set[str] | None = None) -> list[dict[str, Any]]
                     rows.append({**head, "kernel": "", "status": "error",
                                  "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     return
-                for name, k in compiled:
+                for launch, (name, k) in enumerate(compiled):
                     u = usage(arch, k)
-                    rows.append({**head, "kernel": name, **u,
-                                 "status": _status(u, arch, measured), "error": ""})
+                    rows.append({**head, "launch": launch, "kernel": name, **u,
+                                 "status": _status(u, arch, measured), "error": "",
+                                 **(isa_record(arch, k) if sass else {})})
 
             for table_arch, fmt, bucket, cfg, measured in entries:
                 compile_rows({"arch": arch, "op": point.op, "table_arch": table_arch,
@@ -298,14 +350,14 @@ def check(arch: str, ops_filter: set[str] | None = None) -> list[dict[str, Any]]
 
 
 def main(argv: list[str]) -> int:
-    """`python -m qsa.workbench.compile_check OUT_CSV ARCH [ARCH ...] [--ops a,b]`: the
-    process `qsa compile-check` starts; exit 1 when a config fails to compile or spills.
+    """`python -m qsa.workbench.compile_check OUT_CSV ARCH [ARCH ...] [--ops a,b] [--sass]`:
+    the process `qsa compile-check` starts; exit 1 when a config fails to compile or spills.
 
     Several targets run one process each, as on real hosts: Triton 3.6 keeps target-dependent
     state per process, and compiling gfx950 first made gfx942's FP8 conversions fail
     (`profiles/compile/NOTES.md`)."""
-    import pandas as pd
-
+    sass = "--sass" in argv
+    argv = [a for a in argv if a != "--sass"]
     ops_args: list[str] = []
     if "--ops" in argv:
         i = argv.index("--ops")
@@ -317,29 +369,121 @@ def main(argv: list[str]) -> int:
         # failure.
         with tempfile.TemporaryDirectory(prefix="qsa-compile-check-") as cache:
             os.environ["TRITON_CACHE_DIR"] = cache
-            rows = check(archs[0], set(ops_args[1].split(",")) if ops_args else None)
-        df = pd.DataFrame(rows)
+            rows = check(archs[0], set(ops_args[1].split(",")) if ops_args else None, sass)
     else:
-        parts = []
+        rows = []
         with tempfile.TemporaryDirectory(prefix="qsa-compile-check-") as tmp:
             for arch in archs:
                 part = Path(tmp) / f"{arch}.csv"
                 res = subprocess.run([sys.executable, "-m", "qsa.workbench.compile_check",
-                                      str(part), arch, *ops_args], stdout=subprocess.DEVNULL)
+                                      str(part), arch, *ops_args, *(["--sass"] if sass else [])],
+                                     stdout=subprocess.DEVNULL)
                 if not part.exists():  # the compile process itself died
-                    parts.append(pd.DataFrame([{"arch": arch, "status": "compile process died",
-                                                "error": f"exit code {res.returncode}"}]))
-                elif len(part.read_text().strip()) > 2:  # an empty table is '""'
-                    parts.append(pd.read_csv(part, keep_default_na=False))
-        df = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out, index=False)
-    bad = df[~df["status"].isin(PASSING)] if len(df) else df
-    for _, r in bad.iterrows():
+                    rows.append({"arch": arch, "status": "compile process died",
+                                 "error": f"exit code {res.returncode}"})
+                else:
+                    rows += read_rows(part)
+    write_check(rows, out, sass)
+    bad = [r for r in rows if r["status"] not in PASSING]
+    for r in bad:
         print(f"{r['arch']} {r.get('op', '')} {r.get('fmt', '')} bucket {r.get('bucket', '')}: "
               f"{r['status']} {r.get('error') or r.get('kernel', '')}")
-    print(f"{len(df)} compiled kernels, {len(bad)} failing; table: {out}")
-    return 1 if len(bad) or not len(df) else 0
+    print(f"{len(rows)} compiled kernels, {len(bad)} failing; table: {out}"
+          + (f"; opcode histograms: {sass_path(out)}" if sass else ""))
+    return 1 if bad or not rows else 0
+
+
+def sass_path(table: Path) -> Path:
+    """The JSON beside a compile-check table that holds its rows with their histograms."""
+    return table.with_name(table.stem + SASS_SUFFIX)
+
+
+def write_check(rows: list[dict[str, Any]], out: Path, sass: bool) -> None:
+    """The table (CSV, histograms left out) and, with `sass`, every row with its histograms as
+    JSON beside it, with the Triton version that compiled them."""
+    import triton
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows)
+    for c in COUNTS:  # counts that only some rows have (SGPRs: gfx9 only) stay integers
+        if c in df:
+            df[c] = df[c].astype("Int64")
+    df.drop(columns=[c for c in HISTOGRAMS if c in df]).to_csv(out, index=False)
+    if sass:
+        doc = {"triton": triton.__version__, "rows": rows}
+        sass_path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of one compile-check output: its JSON (histograms included) where it has one,
+    else its CSV; `path` is the table, its JSON or their folder."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "compile_check.csv"
+    if path.name.endswith(SASS_SUFFIX):
+        return json.loads(path.read_text())["rows"]
+    if sass_path(path).is_file():
+        return json.loads(sass_path(path).read_text())["rows"]
+    if not path.is_file():
+        raise ValueError(f"{path}: not a compile-check output (a table, its {SASS_SUFFIX} "
+                         "or their folder)")
+    if len(path.read_text().strip()) <= 2:  # an empty table is '""'
+        return []
+    df = pd.read_csv(path)
+    return [{k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))}
+            for r in df.to_dict("records")]  # a cell left empty: a key the row does not have
+
+
+def diff_checks(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]],
+                top: int = 4) -> pd.DataFrame:
+    """Per compiled kernel (`DIFF_KEYS`), its counts in A and B (`<count>_a`, `<count>_b`,
+    `d_<count>` = B - A), the `top` opcodes whose count moved most (by base opcode: HGMMA,
+    LDG, ...; from the histograms of `--sass` outputs), and `change`: "changed", "same",
+    "only in A" or "only in B". `config` says whether the table entry itself changed."""
+    cols = tuple(c for c in COUNTS if c != "sgprs")
+    frames = []
+    for rows in (a, b):  # a config that failed to compile has no kernel: nothing to diff
+        df = pd.DataFrame([r for r in rows if isinstance(r.get("kernel"), str) and r["kernel"]])
+        if len(df) and "launch" not in df:  # tables written before the launch column
+            df["launch"] = df.groupby(list(DIFF_KEYS[:-1]), sort=False, dropna=False).cumcount()
+        frames.append(df.reindex(columns=[*DIFF_KEYS, "kernel", "config", *cols, "opcodes"]))
+    both = frames[0].merge(frames[1], on=list(DIFF_KEYS), how="outer", suffixes=("_a", "_b"),
+                           indicator=True, sort=False)
+    out = []
+    for r in both.to_dict("records"):
+        row = {k: r[k] for k in DIFF_KEYS}
+        row["kernel"] = r["kernel_b"] if isinstance(r["kernel_b"], str) else r["kernel_a"]
+        for c in cols:
+            row[f"{c}_a"], row[f"{c}_b"] = r[f"{c}_a"], r[f"{c}_b"]
+            row[f"d_{c}"] = r[f"{c}_b"] - r[f"{c}_a"]
+        row["opcodes"] = _opcode_moves(r["opcodes_a"], r["opcodes_b"], top)
+        if r["_merge"] != "both":
+            row["config"] = ""
+            row["change"] = "only in A" if r["_merge"] == "left_only" else "only in B"
+        else:
+            row["config"] = "same" if r["config_a"] == r["config_b"] else "changed"
+            moved = any(row[f"d_{c}"] for c in cols if not math.isnan(row[f"d_{c}"]))
+            row["change"] = ("changed" if moved or row["opcodes"] or row["config"] == "changed"
+                             else "same")
+        out.append(row)
+    counts = [n for c in cols for n in (f"{c}_a", f"{c}_b", f"d_{c}")]
+    return pd.DataFrame(out, columns=[*DIFF_KEYS, "kernel", *counts, "opcodes", "config",
+                                      "change"]).sort_values(list(DIFF_KEYS), kind="stable",
+                                                             ignore_index=True)
+
+
+def _opcode_moves(a: Any, b: Any, top: int) -> str:
+    """"HGMMA +8, LDG -2": the base opcodes whose count moved most from A to B ("" when either
+    side has no histogram, or nothing moved)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return ""
+    base: list[Counter[str]] = [Counter(), Counter()]
+    for side, hist in zip(base, (a, b)):
+        for op, n in hist.items():
+            side[op.split(".")[0]] += n
+    moves = {op: base[1][op] - base[0][op] for op in base[0].keys() | base[1].keys()}
+    moved = sorted((op for op in moves if moves[op]), key=lambda op: (-abs(moves[op]), op))
+    return ", ".join(f"{op} {moves[op]:+d}" for op in moved[:top])
 
 
 if __name__ == "__main__":

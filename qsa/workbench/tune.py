@@ -39,8 +39,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import (COUNTS_FROM_ONE, CUDA_ONLY_SWITCHES, HELD_KEYS, SM90_SWITCHES,
-                         SWITCH_KEYS, BlockConfig, ConfigError, get_config, load_table, write_entry)
+from qsa.configs import (COUNTS_FROM_ONE, HELD_KEYS, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
+                         ConfigError, get_config, load_table, write_entry)
 from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
@@ -62,8 +62,6 @@ EARLIER_KEYS = ("date", "device", "torch", "triton", "verdict", "us", "previous_
 
 
 def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
-    if key in CUDA_ONLY_SWITCHES and backend == "hip":
-        return (v,)
     if key in SM90_SWITCHES and not has_dependent_launch(backend, arch):
         return (v,)
     if key in SWITCH_KEYS:
