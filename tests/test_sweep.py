@@ -25,6 +25,7 @@ import yaml
 from qsa.measure.results import start_run
 from qsa.workbench import notebooks as wb
 from qsa.workbench import sweep as sw
+from qsa.workbench import sweep_point as sp
 from support import FakeDevice
 
 FIXTURE = Path(__file__).parent / "fixtures" / "notebooks" / "sweep_point.py"
@@ -57,8 +58,8 @@ def passed_point(point: sw.SweepPoint, version: str) -> None:
     with start_run("sweep-fixture", root=point.directory / sw.RESULTS_DIR,
                    device=FakeDevice("test-device", "test device")) as run:
         run.add({"op": "fixture", "value": point.parameters["value"], "us": 1.0})
-    digest = sw.write_manifest(point.directory)
-    marker = sw._marker(point, version, "cpu#0", "passed", manifest_sha256=digest)
+    digest = sp.write_manifest(point.directory)
+    marker = sp._marker(point, version, "cpu#0", "passed", manifest_sha256=digest)
     (point.directory / sw.MARKER).write_text(json.dumps(marker))
 
 
@@ -149,8 +150,8 @@ DAMAGE = {
     "byte-flipped": (_flip_a_byte, "results.parquet is corrupt"),
     "truncated": (_truncate, "results.parquet is truncated (100 of "),
     "file-missing": (lambda d: results_file(d).unlink(), "results.parquet is missing"),
-    "manifest-missing": (lambda d: (d / sw.MANIFEST).unlink(), "manifest.json is missing"),
-    "manifest-changed": (lambda d: (d / sw.MANIFEST).write_text('{"files": {}}'),
+    "manifest-missing": (lambda d: (d / sp.MANIFEST).unlink(), "manifest.json is missing"),
+    "manifest-changed": (lambda d: (d / sp.MANIFEST).write_text('{"files": {}}'),
                          "manifest.json is corrupt"),
     "marker-unreadable": (lambda d: (d / sw.MARKER).write_bytes(b"\xff{"),
                           "point.json is unreadable"),
@@ -227,7 +228,7 @@ def test_amd_slots_select_with_rocr_and_drop_hip_lists(monkeypatch: pytest.Monke
     monkeypatch.setattr(sw, "visible_gpus", lambda: ("amd", "ROCR_VISIBLE_DEVICES", ["0", "1"]))
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
     slots = sw.resolve_slots("auto")
-    env = sw._child_env(slots[1], {"QSA_X": "1"})
+    env = sp._child_env(slots[1], {"QSA_X": "1"})
     assert env["ROCR_VISIBLE_DEVICES"] == "1" and env["QSA_X"] == "1"
     assert "HIP_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env
     assert slots[1].label == "amd:1"
@@ -256,7 +257,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert m["value=2"]["error"]["cell_index"] is not None
     assert "deliberate failure" in m["value=2"]["error"]["traceback"]
     # the failing point's executed notebook is kept, with papermill's error record
-    nb = json.loads((summary.sweep_dir / "points" / "value=2" / sw.EXECUTED).read_text())
+    nb = json.loads((summary.sweep_dir / "points" / "value=2" / sp.EXECUTED).read_text())
     assert nb["metadata"]["papermill"]["exception"] is True
     table = sw.load_sweep(summary.sweep_dir)
     assert sorted(table["value"]) == [1, 3]
@@ -335,7 +336,7 @@ def test_a_killed_sweep_resumes_without_duplicates_or_losses(
                              str(out), "--jobs", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     sweep_dir = (out / "cpu-interpreter" / "sweeps" / "fixture").resolve()
-    in_flight = sweep_dir / "points" / "value=2" / sw.EXECUTED  # papermill writes it first
+    in_flight = sweep_dir / "points" / "value=2" / sp.EXECUTED  # papermill writes it first
     wait_for(lambda: markers(sweep_dir).get("value=1", {}).get("status") == "passed"
              and in_flight.exists(), proc)
 
@@ -386,7 +387,7 @@ def _paused_sweep(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
 def test_ctrl_c_records_interrupted_and_prints_the_resume_command(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pause, spec, out, sweep_dir = _paused_sweep(tmp_path)
-    started = sweep_dir / "points" / "value=1" / sw.PARAMS
+    started = sweep_dir / "points" / "value=1" / sp.PARAMS
     sigterm_handler = signal.getsignal(signal.SIGTERM)
     done = threading.Event()
 
@@ -420,7 +421,7 @@ def test_sigterm_records_interrupted_and_prints_the_resume_command(tmp_path: Pat
                              str(out), "--jobs", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        wait_for(lambda: (sweep_dir / "points" / "value=1" / sw.PARAMS).exists(), proc)
+        wait_for(lambda: (sweep_dir / "points" / "value=1" / sp.PARAMS).exists(), proc)
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     finally:
@@ -444,14 +445,14 @@ def test_port_race_is_retried_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             attempts.append(1)
             error = ({"ename": "ZMQError", "evalue": "Address already in use"}
                      if len(attempts) == 1 else {"ename": "ValueError", "evalue": "real"})
-            marker = sw._marker(point, "v", "cpu#0", "failed", error=error)
+            marker = sp._marker(point, "v", "cpu#0", "failed", error=error)
             (point.directory / sw.MARKER).write_text(json.dumps(marker))
 
         def wait(self, timeout: float | None = None) -> int:
             return 1
 
-    monkeypatch.setattr(sw.subprocess, "Popen", FakeProc)
-    marker = sw.run_point(point, spec, "v", sw.resolve_slots("cpu", jobs=1)[0])
+    monkeypatch.setattr(sp.subprocess, "Popen", FakeProc)
+    marker = sp.run_point(point, spec, "v", sw.resolve_slots("cpu", jobs=1)[0])
     assert len(attempts) == 2
     assert marker["error"]["ename"] == "ValueError"
 
@@ -469,8 +470,8 @@ def test_a_runner_that_dies_is_recorded(tmp_path: Path, monkeypatch: pytest.Monk
         def wait(self, timeout: float | None = None) -> int:
             return -9
 
-    monkeypatch.setattr(sw.subprocess, "Popen", DeadProc)
-    marker = sw.run_point(point, spec, "v", sw.resolve_slots("cpu", jobs=1)[0])
+    monkeypatch.setattr(sp.subprocess, "Popen", DeadProc)
+    marker = sp.run_point(point, spec, "v", sw.resolve_slots("cpu", jobs=1)[0])
     assert marker["status"] == "failed"
     assert marker["error"]["ename"] == "RunnerExited"
     assert "code -9" in marker["error"]["evalue"] and "Killed" in marker["error"]["log_tail"]

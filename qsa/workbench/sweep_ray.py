@@ -18,8 +18,8 @@ import platform
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from qsa.workbench.sweep import (Executor, Slot, SweepError, SweepPoint, SweepSpec, cpu_env,
-                                 device_slug_for, run_point)
+from qsa.workbench.sweep_point import (Executor, Slot, SweepError, SweepPoint, SweepSpec,
+                                       cpu_env, device_slug_for, run_point)
 
 TASK_CPUS = 1
 
