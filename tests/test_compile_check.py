@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from qsa.configs import TABLE_DIR
+from qsa.workbench.compile_check import PASSING
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,8 +30,9 @@ def test_sparse_gqa_configs_compile_for_sm90_and_gfx950(tmp_path):
     res = _check(out, "--arch", "sm90,gfx950", "--ops", "sparse_gqa_decode")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     df = pd.read_csv(out)
-    assert set(df["arch"]) == {"sm90", "gfx950"} and (df["status"] == "ok").all()
-    assert (df["registers"] > 0).all() and (df["spill_bytes"] == 0).all()
+    assert set(df["arch"]) == {"sm90", "gfx950"} and df["status"].isin(PASSING).all()
+    # a spill passes only in an entry the tuner timed on that arch (sm90's FP8 shared entry)
+    assert (df["registers"] > 0).all() and (df.loc[df["status"] == "ok", "spill_bytes"] == 0).all()
     # every sm90 table entry of each format was compiled, through the split path (merge kernel)
     entries = json.loads((TABLE_DIR / "sparse_gqa_decode.json").read_text())["sm90"]
     sm90 = df[df["arch"] == "sm90"]
@@ -72,7 +74,7 @@ def test_a_config_that_does_not_fit_its_target_fails_the_check(tmp_path):
                  env={"QSA_CONFIG_DIR": str(tables)})
     assert res.returncode == 1
     df = pd.read_csv(out)
-    bad = df[df["status"] != "ok"]
+    bad = df[~df["status"].isin(PASSING)]  # tuned entries that spill pass (measured there)
     assert set(bad["bucket"]) == {256} and set(bad["status"]) == {"exceeds shared memory"}
     assert "sm90 sparse_gqa_decode fp8 bucket 256: exceeds shared memory" in res.stdout
 
