@@ -142,37 +142,39 @@ def test_config_space_keeps_backends_apart():
 def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_path):
     """Other entries of the same kernel and format (this arch's buckets nearest first, then the
     defaults, at most MAX_SEEDS) are tried right after the current entry: a neighbourhood can
-    not reach them. Entries of another kernel version, with a switch the device can not take,
-    an unlaunchable warp count or a malformed body are left out."""
-    def entry(block_n, warps, pdl=0, **meta):
-        return {"meta": {"BLOCK_N": block_n, "PDL": pdl, **meta},
-                "num_warps": warps, "num_stages": 2}
+    not reach them. Entries with other meta keys, or a warp count the backend can not launch,
+    are left out."""
+    def entry(block_n, warps, **meta):
+        return {"meta": {"BLOCK_N": block_n, "PV_HALVES": 0, **meta}, "num_warps": warps,
+                "num_stages": 2}
     base = BlockConfig.from_dict(entry(64, 4))
     table = {"sm90": {"fp8": {"128": entry(64, 4), "4096": entry(16, 8), "256": entry(32, 8),
-                              "512": entry(64, 4, EXTRA=1), "64": entry(16, 6),
-                              "16": {"num_warps": 4}},
-                      "bf16": {"1": entry(512, 2)}},
+                              "512": entry(64, 4, NUM_SPLITS=2)},
+                      "bf16": {"1": entry(256, 2)}},
              "default": {"fp8": {"1": entry(32, 2)}},
-             "gfx950": {"fp8": {"128": {**entry(128, 4, pdl=1), "amd": {"kpack": 2}},
+             "gfx950": {"fp8": {"128": {**entry(128, 32), "amd": {"kpack": 2}},
                                 "256": {**entry(256, 4), "amd": {"kpack": 2}}}}}
-    (tmp_path / "k.json").write_text(json.dumps(table))
+    (tmp_path / "sparse_gqa_decode.json").write_text(json.dumps(table))
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
-    seeds = tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda")
+    seeds = tune_mod.table_seeds("sparse_gqa_decode", "sm90", "fp8", base, 128, "cuda")
     # nearest bucket first (256, then 4096), then the default; the current entry, other meta
-    # keys, 6 warps, a malformed entry, other formats and archs are left out
+    # keys, other formats and archs are left out
     assert seeds == [BlockConfig.from_dict(e) for e in (entry(32, 8), entry(16, 8),
                                                         entry(32, 2))]
-    space = tune_mod.config_space("k", base, "cuda", 500, "sm90", seeds)
+    space = tune_mod.config_space("sparse_gqa_decode", base, "cuda", 500, "sm90", seeds)
     assert space[:4] == [base, *seeds]
     assert len({json.dumps(c.as_dict(), sort_keys=True) for c in space}) == len(space)
-    assert tune_mod.config_space("k", base, "cuda", 2, "sm90", seeds) == [base, seeds[0]]
+    assert tune_mod.config_space("sparse_gqa_decode", base, "cuda", 2, "sm90", seeds) \
+        == [base, seeds[0]]
     monkeypatch.setattr(tune_mod, "MAX_SEEDS", 1)
-    assert tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda") == seeds[:1]
+    assert tune_mod.table_seeds("sparse_gqa_decode", "sm90", "fp8", base, 128, "cuda") \
+        == seeds[:1]
     monkeypatch.setattr(tune_mod, "MAX_SEEDS", 3)
     # an arch without a section of its own still gets the defaults; on ROCm a seed keeps its
-    # own AMD launch keys and may not switch on programmatic dependent launch (NVIDIA sm90+)
-    assert tune_mod.table_seeds("k", "gfx942", "fp8", base, 128, "hip") == [seeds[2]]
-    hip = tune_mod.table_seeds("k", "gfx950", "fp8", base, 128, "hip")
+    # own AMD launch keys, and 32 warps (2,048 threads of wave64) are not launched
+    assert tune_mod.table_seeds("sparse_gqa_decode", "gfx942", "fp8", base, 128, "hip") \
+        == [seeds[2]]
+    hip = tune_mod.table_seeds("sparse_gqa_decode", "gfx950", "fp8", base, 128, "hip")
     assert [(c.meta["BLOCK_N"], c.amd) for c in hip] == [(256, {"kpack": 2}), (32, {})]
 
 
