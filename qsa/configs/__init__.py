@@ -25,22 +25,6 @@ from qsa.configs.schema import AMD_LAUNCH_KEYS, ConfigError, schema_of
 
 TABLE_DIR = Path(__file__).with_name("tables")
 AMD_KEYS = tuple(k.name for k in AMD_LAUNCH_KEYS)
-# Meta keys that switch a step of a kernel on (1) or off (0), such as sparse GQA's id -> slot
-# pre-pass or top-k's bound on the k-th key: the tuner tries both values, where it tries half
-# and double of a size.
-SWITCH_KEYS = ("SLOTS", "PV_HALVES", "PDL", "BOUND")
-# Switches that need NVIDIA sm90 or newer: programmatic dependent launch (an sm90 launch
-# attribute), refused on older GPUs and on ROCm, and off on the interpreter, where grids run
-# one after another anyway. The tuner holds them everywhere else.
-SM90_SWITCHES = ("PDL",)
-# Counts whose value 1 is a count, not an off switch: the tuner tries them doubled from 1 too
-# (sparse GQA's rows per program).
-COUNTS_FROM_ONE = ("ROWS",)
-# Keys that decide which entry a call runs, not how fast an entry runs (sparse GQA's largest
-# union at which the shared path is chosen, set from the overlap suite's break-even): the tuner
-# holds them, since one shape's timing can not place a threshold.
-HELD_KEYS = ("SHARE_MAX_UNION",)
-
 
 
 @dataclass(frozen=True)
