@@ -43,7 +43,7 @@
 # functional check, times mean nothing.
 
 # %% tags=["parameters"]
-op = "score_stacked"  # one of qsa.workbench.ops.OPS
+op = "score_stacked"  # one of qsa.workbench.registry.OPS
 preset = "qwen3.8-flash-next"
 batch = None  # None: the profile's shape
 context = None
@@ -70,15 +70,14 @@ results_root = wb.results_root(results_root)
 from qsa.configs import table_path
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import plots
-from qsa.workbench.ops import KERNEL_OF, OPS
 from qsa.workbench import tune as tuner
+from qsa.workbench.registry import find
 
 PROFILES = {
     "cpu-smoke": {"batch": 1, "context": 512, "rows": 4, "max_candidates": 4, "samples": 1},
     "gpu": {"batch": 16, "context": 65536, "rows": 4, "max_candidates": 48, "samples": None},
 }
-if op not in OPS:
-    raise ValueError(f"op {op!r} is not one of {OPS}")
+spec = find(op)  # the op's registry entry: its table, schema, kernel and reference
 if write_winner and not dev.is_gpu:
     raise ValueError("write_winner needs a GPU: interpreter times mean nothing")
 shape = {k: (v if v is not None else PROFILES[profile][k]) for k, v in
@@ -88,6 +87,8 @@ samples = samples if samples is not None else PROFILES[profile]["samples"]
 given = json.loads(config) if isinstance(config, str) else config
 tries = None if given is None else (list(given) if isinstance(given, list) else [given])
 wb.banner(dev)
+print(f"{op}: kernel {spec.entry}, table {spec.table}, reference {spec.reference}, "
+      f"tests {spec.test}")
 print(op, shape, f"index {index_format}, kv {kv_format}, up to {n_candidates} candidates")
 
 # %%
@@ -148,7 +149,7 @@ if write_winner:
     kept = tuner.write_winner(
         df, op, backend_and_arch()[1], str(df["kernel_fmt"].iloc[0]), int(df["bucket"].iloc[0]),
         recheck=lambda cur, win: tuner.recheck_in_fresh_process(point, cur, win, samples))
-    print("written to", table_path(KERNEL_OF[op]), "at bucket", int(df["bucket"].iloc[0]), ":",
+    print("written to", table_path(spec.table), "at bucket", int(df["bucket"].iloc[0]), ":",
           kept.as_dict())
 else:
     print("write_winner is False: the table is unchanged")

@@ -52,6 +52,7 @@ from qsa.configs import get_config
 from qsa.kernels.common import backend_and_arch
 from qsa.measure.results import load_run, start_run
 from qsa.workbench import ops, plots
+from qsa.workbench.registry import find
 
 OP = "sparse_gqa_decode"
 OVERRIDES = {"cpu-smoke": {"topk_groups": 32}, "gpu": {}}
@@ -83,7 +84,7 @@ with run:
     for name, kv, b, c, r in product(g["preset"], g["kv_format"], g["batch"], g["context"],
                                      g["rows"]):
         p = wb.make_preset(name, overrides)
-        base = get_config(ops.KERNEL_OF[OP], arch, kv, b * r).config
+        base = get_config(find(OP).table, arch, kv, b * r).config
         for s in g["splits"]:
             cfg = None if s == 0 else base.with_meta(NUM_SPLITS=s)
             rec = ops.measure(OP, preset=p, batch=b, context=c, rows=r, index_format=index_format,

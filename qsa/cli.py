@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qsa.presets import DEFAULT_PRESET, get_preset
+from qsa.workbench.registry import OPS, REGISTRY
 
 if TYPE_CHECKING:
     from qsa.workbench.ab import ABPoint
@@ -95,6 +96,7 @@ def main() -> None:
 
 
 PRESET_OPT = typer.Option(DEFAULT_PRESET, "--preset", help="Model preset name.")
+OP_HELP = "; ".join(f"{s.name} ({s.summary})" for s in REGISTRY)  # every op of the registry
 
 
 def _cell(v: object) -> str:
@@ -247,9 +249,7 @@ def _strs(s: str) -> list[str]:
 
 
 @app.command()
-def bench(op: str = typer.Option("score_stacked", help="op(s), comma-separated: "
-                                 "score_stacked, score_rowwise, score_prefill, topk_expand, "
-                                 "compress, kv_store, sparse_gqa_decode, sparse_gqa_prefill"),
+def bench(op: str = typer.Option(OPS[0], help="op(s), comma-separated: " + OP_HELP),
           batch: str = typer.Option("1,8", help="batch sizes, comma-separated"),
           context: str = typer.Option("8K", help="contexts, e.g. 8K,32K,128K"),
           rows: str = typer.Option("4", help="query rows per request"),
@@ -488,7 +488,7 @@ def _candidates(text: Optional[str]) -> Optional[list[dict]]:
 
 
 @app.command()
-def tune(op: Optional[str] = typer.Argument(None, help="op to tune, e.g. score_stacked"),
+def tune(op: Optional[Literal[OPS]] = typer.Argument(None, help="op to tune: " + OP_HELP),
          all_: bool = typer.Option(False, "--all", help="every kernel call of the decode step "
                                    "(--batch x --context, MTP --mtp) or of one prefill chunk "
                                    "(--phase prefill) for each --formats pair; each distinct "
@@ -723,7 +723,7 @@ def offload_check(file: Optional[Path] = typer.Argument(
 
 
 @app.command()
-def profile(op: str = typer.Option("score_stacked", help="op to capture"),
+def profile(op: Literal[OPS] = typer.Option(OPS[0], help="op to capture: " + OP_HELP),
             preset: str = PRESET_OPT, batch: int = 8, context: str = "32K", rows: int = 4,
             index_format: str = "bf16", kv_format: str = "bf16",
             profiler: str = typer.Option("torch", help="torch | proton | rocprofv3"),

@@ -22,7 +22,8 @@ def test_controls_are_the_entrys_keys_over_the_tuners_values(session: ui.Session
     axes = ui.choices(session)
     ints = {k for k, v in session.current.meta.items() if type(v) is int}
     assert set(axes) == ints | {"num_warps", "num_stages"}
-    assert axes == tuner.config_axes(session.current, session.backend, session.arch)
+    assert axes == tuner.config_axes("score_stacked", session.current, session.backend,
+                                     session.arch)
     now = ui.current_values(session)
     assert all(now[k] in axes[k] for k in axes)  # each control starts at the current entry
     assert now["num_warps"] == session.current.num_warps

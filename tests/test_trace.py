@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from qsa import cases
 from qsa import overlap as ov
 from qsa.presets import get_preset
 from qsa.trace import (FORMAT, VERSION, SelectionTrace, TraceError, describe, read_trace,
@@ -366,13 +367,13 @@ def test_cli_check_refuses_a_damaged_file_in_one_line(tmp_path):
 def replayed_ids(monkeypatch) -> list[torch.Tensor]:
     """The token ids each prepared sparse GQA point hands to its K/V pool (and kernel)."""
     seen: list[torch.Tensor] = []
-    real = ops.touched_kv_pool
+    real = cases.touched_kv_pool
 
     def spy(batch, ids, *args, **kw):
         seen.append(ids.clone())
         return real(batch, ids, *args, **kw)
 
-    monkeypatch.setattr(ops, "touched_kv_pool", spy)
+    monkeypatch.setattr(cases, "touched_kv_pool", spy)
     return seen
 
 

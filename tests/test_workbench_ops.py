@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from qsa.workbench import ops
-from qsa.workbench.ops import OPS, Point, VerificationError, measure, prepare
+from qsa.workbench import ops, verify
+from qsa.workbench.ops import Point, VerificationError, measure, prepare
+from qsa.workbench.registry import OPS
 from support import tiny_preset
 
 TINY = tiny_preset()
@@ -72,25 +73,25 @@ def test_point_rejects_bad_shapes():
 def test_same_values_is_by_value_chunked_and_on_the_tensors_device(monkeypatch):
     """-0 equals +0 and NaN poison equals NaN poison; any other difference, in any chunk, is a
     mismatch; integers compare exactly; an fp32 surrogate compares as the stored dtype."""
-    monkeypatch.setattr(ops, "SAME_VALUES_CHUNK", 5)  # several chunks, the last one short
+    monkeypatch.setattr(verify, "SAME_VALUES_CHUNK", 5)  # several chunks, the last one short
     want = torch.tensor([0.0, 1.5, float("nan"), -2.0, float("inf"), 3.0, 4.0, 5.0, 6.0, 7.0,
                          8.0, 9.0], dtype=torch.bfloat16).reshape(3, 4)
     got = want.clone()
     got[0, 0] = -0.0
-    assert ops.same_values(got, want)
+    assert verify.same_values(got, want)
     for i in (1, 6, 11):  # a change in the first, a middle and the last (short) chunk
         bad = got.clone().reshape(-1)
         bad[i] = bad[i] + 1
-        assert not ops.same_values(bad.reshape(3, 4), want)
+        assert not verify.same_values(bad.reshape(3, 4), want)
     unpoisoned = got.clone()
     unpoisoned[0, 2] = 0.0
-    assert not ops.same_values(unpoisoned, want)
-    assert ops.same_values(want.float(), want)  # the interpreter's fp32 surrogate
-    assert not ops.same_values(want.float() + 2.0**-12, want.float())
-    assert not ops.same_values(want[:2], want)
+    assert not verify.same_values(unpoisoned, want)
+    assert verify.same_values(want.float(), want)  # the interpreter's fp32 surrogate
+    assert not verify.same_values(want.float() + 2.0**-12, want.float())
+    assert not verify.same_values(want[:2], want)
     ints = torch.arange(12, dtype=torch.int32)
-    assert ops.same_values(ints.clone(), ints)
-    assert not ops.same_values(ints.flip(0), ints)
+    assert verify.same_values(ints.clone(), ints)
+    assert not verify.same_values(ints.flip(0), ints)
 
 
 def test_topk_points_name_the_table_key_of_their_row_count():

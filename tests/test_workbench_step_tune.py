@@ -6,7 +6,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from qsa.configs import BlockConfig, get_config
+from qsa.configs import BlockConfig, ConfigError, get_config
 from qsa.presets import get_preset
 from qsa.workbench import step as step_mod
 from qsa.workbench import tune as tune_mod
@@ -98,38 +98,45 @@ def test_a_step_that_can_not_be_captured_is_not_called_a_graph_replay(monkeypatc
     assert set(df.loc[df["phase"] != "step", "sizing"]) == {"device_time"}
 
 
-def test_config_space_keeps_backends_apart():
-    base = BlockConfig({"BLOCK_N": 64, "SPLIT": 1}, 4, 2)
+def test_config_space_comes_from_the_ops_schema():
+    base = BlockConfig({"BLOCK_N": 64, "HOIST_Q_MIN_TILES": 4, "MAX_TILES": 2,
+                        "PROGRAMS_PER_UNIT": 8}, 4, 2)
     cuda = tune_mod.config_space("score_stacked", base, "cuda", max_candidates=500)
     hip = tune_mod.config_space("score_stacked", base, "hip", max_candidates=500)
     assert cuda[0] == base
     assert all(not c.amd for c in cuda)
     assert hip[0] == base and all("waves_per_eu" in c.amd for c in hip[1:])
     assert {c.meta["BLOCK_N"] for c in cuda} == {32, 64, 128}
-    assert {c.meta["SPLIT"] for c in cuda} == {1}
+    assert {c.meta["MAX_TILES"] for c in cuda} == {2, 4}  # not below the schema's floor
     small = tune_mod.config_space("score_stacked", base, "cuda", max_candidates=5)
     assert len(small) == 5 and small[0] == base
-    odd = BlockConfig({"BLOCK_N": 64}, 16, 7)  # launch options outside the searched axes
+    odd = BlockConfig(base.meta, 16, 7)  # launch options outside the searched axes
     assert tune_mod.config_space("score_stacked", odd, "cuda")[0] == odd
     # warps: 2, 4, 8 and half and double the entry's, up to 1,024 threads per program
-    many = BlockConfig({"BLOCK_N": 64}, 16, 2)
-    assert {c.num_warps for c in tune_mod.config_space("k", many, "cuda", 500)} == {2, 4, 8, 16, 32}
-    assert {c.num_warps for c in tune_mod.config_space("k", many, "hip", 500)} == {2, 4, 8, 16}
+    many = BlockConfig(base.meta, 16, 2)
+    assert {c.num_warps for c in tune_mod.config_space("score_stacked", many, "cuda", 500)} \
+        == {2, 4, 8, 16, 32}
+    assert {c.num_warps for c in tune_mod.config_space("score_stacked", many, "hip", 500)} \
+        == {2, 4, 8, 16}
     assert {c.num_warps for c in cuda} == {2, 4, 8}
-    # a switch is tried on and off, whichever way the entry has it; a size of 1 stays
+    # a key outside the op's schema is refused, not searched
+    with pytest.raises(ConfigError, match=r"score_stacked: meta keys \['SPLIT'\] are not in "):
+        tune_mod.config_space("score_stacked", base.with_meta(SPLIT=1), "cuda")
+    # a switch is tried on and off, whichever way the entry has it; a count of 1 is doubled
     flags = BlockConfig({"BLOCK_N": 64, "SLOTS": 1, "PV_HALVES": 0, "SPLIT_MIN_BLOCKS": 1}, 4, 2)
     space = tune_mod.config_space("sparse_gqa_decode", flags, "cuda", max_candidates=500)
     assert {(c.meta["SLOTS"], c.meta["PV_HALVES"]) for c in space} == {(0, 0), (0, 1), (1, 0),
                                                                       (1, 1)}
-    assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1}
-    # a count whose 1 is a count, not an off switch (rows per program), is tried doubled
-    rows = BlockConfig({"BLOCK_N": 32, "ROWS": 1}, 4, 2)
+    assert {c.meta["SPLIT_MIN_BLOCKS"] for c in space} == {1, 2}
+    # rows per program: from 1 doubled, at most the schema's 8; the union threshold held
+    rows = BlockConfig({"BLOCK_N": 32, "ROWS": 1, "SHARE_MAX_UNION": 200}, 4, 2)
     space = tune_mod.config_space("sparse_gqa_prefill", rows, "cuda", max_candidates=500)
     assert {c.meta["ROWS"] for c in space} == {1, 2}
+    assert {c.meta["SHARE_MAX_UNION"] for c in space} == {200}
     space = tune_mod.config_space("sparse_gqa_prefill", rows.with_meta(ROWS=4), "cuda", 500)
     assert {c.meta["ROWS"] for c in space} == {2, 4, 8}
-    hip = tune_mod.config_space("sparse_gqa_decode", flags, "hip", max_candidates=500)
-    assert {c.meta["SLOTS"] for c in hip} == {0, 1}
+    space = tune_mod.config_space("sparse_gqa_prefill", rows.with_meta(ROWS=8), "cuda", 500)
+    assert {c.meta["ROWS"] for c in space} == {4, 8}
     # programmatic dependent launch: tried on sm90 and newer only
     pdl = flags.with_meta(PDL=0)
     for backend, arch, tried in (("cuda", "sm90", {0, 1}), ("cuda", "sm100", {0, 1}),
@@ -137,42 +144,45 @@ def test_config_space_keeps_backends_apart():
                                  ("interpreter", "default", {0})):
         space = tune_mod.config_space("sparse_gqa_decode", pdl, backend, 500, arch)
         assert {c.meta["PDL"] for c in space} == tried, (backend, arch)
+        assert {c.meta["SLOTS"] for c in space} == {0, 1}
 
 
 def test_table_seeds_join_the_space_after_the_current_entry(monkeypatch, tmp_path):
     """Other entries of the same kernel and format (this arch's buckets nearest first, then the
     defaults, at most MAX_SEEDS) are tried right after the current entry: a neighbourhood can
-    not reach them. Entries of another kernel version, with a switch the device can not take,
-    an unlaunchable warp count or a malformed body are left out."""
-    def entry(block_n, warps, pdl=0, **meta):
-        return {"meta": {"BLOCK_N": block_n, "PDL": pdl, **meta},
-                "num_warps": warps, "num_stages": 2}
+    not reach them. Entries with other meta keys, or a warp count the backend can not launch,
+    are left out."""
+    def entry(block_n, warps, **meta):
+        return {"meta": {"BLOCK_N": block_n, "PV_HALVES": 0, **meta}, "num_warps": warps,
+                "num_stages": 2}
     base = BlockConfig.from_dict(entry(64, 4))
     table = {"sm90": {"fp8": {"128": entry(64, 4), "4096": entry(16, 8), "256": entry(32, 8),
-                              "512": entry(64, 4, EXTRA=1), "64": entry(16, 6),
-                              "16": {"num_warps": 4}},
-                      "bf16": {"1": entry(512, 2)}},
+                              "512": entry(64, 4, NUM_SPLITS=2)},
+                      "bf16": {"1": entry(256, 2)}},
              "default": {"fp8": {"1": entry(32, 2)}},
-             "gfx950": {"fp8": {"128": {**entry(128, 4, pdl=1), "amd": {"kpack": 2}},
+             "gfx950": {"fp8": {"128": {**entry(128, 32), "amd": {"kpack": 2}},
                                 "256": {**entry(256, 4), "amd": {"kpack": 2}}}}}
-    (tmp_path / "k.json").write_text(json.dumps(table))
+    (tmp_path / "sparse_gqa_decode.json").write_text(json.dumps(table))
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
-    seeds = tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda")
+    seeds = tune_mod.table_seeds("sparse_gqa_decode", "sm90", "fp8", base, 128, "cuda")
     # nearest bucket first (256, then 4096), then the default; the current entry, other meta
-    # keys, 6 warps, a malformed entry, other formats and archs are left out
+    # keys, other formats and archs are left out
     assert seeds == [BlockConfig.from_dict(e) for e in (entry(32, 8), entry(16, 8),
                                                         entry(32, 2))]
-    space = tune_mod.config_space("k", base, "cuda", 500, "sm90", seeds)
+    space = tune_mod.config_space("sparse_gqa_decode", base, "cuda", 500, "sm90", seeds)
     assert space[:4] == [base, *seeds]
     assert len({json.dumps(c.as_dict(), sort_keys=True) for c in space}) == len(space)
-    assert tune_mod.config_space("k", base, "cuda", 2, "sm90", seeds) == [base, seeds[0]]
+    assert tune_mod.config_space("sparse_gqa_decode", base, "cuda", 2, "sm90", seeds) \
+        == [base, seeds[0]]
     monkeypatch.setattr(tune_mod, "MAX_SEEDS", 1)
-    assert tune_mod.table_seeds("k", "sm90", "fp8", base, 128, "cuda") == seeds[:1]
+    assert tune_mod.table_seeds("sparse_gqa_decode", "sm90", "fp8", base, 128, "cuda") \
+        == seeds[:1]
     monkeypatch.setattr(tune_mod, "MAX_SEEDS", 3)
     # an arch without a section of its own still gets the defaults; on ROCm a seed keeps its
-    # own AMD launch keys and may not switch on programmatic dependent launch (NVIDIA sm90+)
-    assert tune_mod.table_seeds("k", "gfx942", "fp8", base, 128, "hip") == [seeds[2]]
-    hip = tune_mod.table_seeds("k", "gfx950", "fp8", base, 128, "hip")
+    # own AMD launch keys, and 32 warps (2,048 threads of wave64) are not launched
+    assert tune_mod.table_seeds("sparse_gqa_decode", "gfx942", "fp8", base, 128, "hip") \
+        == [seeds[2]]
+    hip = tune_mod.table_seeds("sparse_gqa_decode", "gfx950", "fp8", base, 128, "hip")
     assert [(c.meta["BLOCK_N"], c.amd) for c in hip] == [(256, {"kpack": 2}), (32, {})]
 
 
@@ -368,7 +378,8 @@ def test_a_tuned_entry_is_the_one_the_kernel_then_runs(op, monkeypatch, tmp_path
     coordinate that differs from the kernel's own lookup would leave the old entry in use."""
     from qsa.configs import TABLE_DIR
     from qsa.kernels.common import observe_lookups
-    from qsa.workbench.ops import KERNEL_OF, Point, config_coordinate, prepare
+    from qsa.workbench.ops import Point, config_coordinate, prepare
+    from qsa.workbench.registry import find
 
     shutil.copytree(TABLE_DIR, tmp_path, dirs_exist_ok=True)
     monkeypatch.setenv("QSA_CONFIG_DIR", str(tmp_path))
@@ -389,12 +400,13 @@ def test_a_tuned_entry_is_the_one_the_kernel_then_runs(op, monkeypatch, tmp_path
     prep = prepare(point)
     with observe_lookups() as seen:
         prep.check(None)
-    used = [s for s in seen if s.kernel == KERNEL_OF[op]]
+    table = find(op).table
+    used = [s for s in seen if s.kernel == table]
     assert used and all(s.config == won and not s.explicit for s in used)
     # The kernel's own coordinate is where the winner was written, not merely nearest to it.
     assert {s.size for s in used} == {int(df["bucket"].iloc[0])}
     assert config_coordinate(prep).size == int(df["bucket"].iloc[0])
-    choice = get_config(KERNEL_OF[op], "default", used[0].fmt, used[0].size, table_dir=tmp_path)
+    choice = get_config(table, "default", used[0].fmt, used[0].size, table_dir=tmp_path)
     assert choice.tuned and choice.bucket == int(df["bucket"].iloc[0])
 
 

@@ -8,7 +8,8 @@ Tables live in `qsa/configs/tables/<kernel>.json`:
 `arch` is "sm90", "gfx950", "gfx942", ... or "default" (used when the arch has no entry, and by
 the interpreter). Buckets are integers (rows, tokens, ... as the kernel defines) and lookup
 takes the nearest one. AMD-only launch keys live under "amd" and reach the launch only on the
-HIP backend: NVIDIA rejects them.
+HIP backend: NVIDIA rejects them. Every table is checked against its schema
+(`qsa.configs.schema`) when it is loaded and before an entry is written.
 """
 
 from __future__ import annotations
@@ -20,30 +21,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from qsa.configs.schema import AMD_LAUNCH_KEYS, IMPLS, ConfigError, schema_of
+
 TABLE_DIR = Path(__file__).with_name("tables")
-AMD_ONLY_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
-# Meta keys that switch a step of a kernel on (1) or off (0), such as sparse GQA's id -> slot
-# pre-pass or top-k's bound on the k-th key: the tuner tries both values, where it tries half
-# and double of a size.
-SWITCH_KEYS = ("SLOTS", "PV_HALVES", "PDL", "BOUND")
-# Switches that need NVIDIA sm90 or newer: programmatic dependent launch (an sm90 launch
-# attribute), refused on older GPUs and on ROCm, and off on the interpreter, where grids run
-# one after another anyway. The tuner holds them everywhere else.
-SM90_SWITCHES = ("PDL",)
-# Counts whose value 1 is a count, not an off switch: the tuner tries them doubled from 1 too
-# (sparse GQA's rows per program).
-COUNTS_FROM_ONE = ("ROWS",)
-# Keys that decide which entry a call runs, not how fast an entry runs (sparse GQA's largest
-# union at which the shared path is chosen, set from the overlap suite's break-even): the tuner
-# holds them, since one shape's timing can not place a threshold.
-HELD_KEYS = ("SHARE_MAX_UNION",)
-# Implementations an entry may name under "impl": the portable Triton kernel, or a Gluon one
-# (`triton.experimental.gluon`, NVIDIA sm90) where a kernel has it (sparse GQA decode).
-IMPLS = ("triton", "gluon")
-
-
-class ConfigError(ValueError):
-    """A config table or entry is missing or malformed."""
+AMD_KEYS = tuple(k.name for k in AMD_LAUNCH_KEYS)
 
 
 @dataclass(frozen=True)
@@ -57,10 +38,10 @@ class BlockConfig:
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ConfigError(f"impl: {self.impl!r} is not one of {', '.join(IMPLS)}")
-        bad = set(self.amd) - set(AMD_ONLY_KEYS)
+        bad = set(self.amd) - set(AMD_KEYS)
         if bad:
             raise ConfigError(f"amd: unknown AMD launch keys {sorted(bad)}")
-        clash = set(self.meta) & set(AMD_ONLY_KEYS)
+        clash = set(self.meta) & set(AMD_KEYS)
         if clash:
             raise ConfigError(f"meta: AMD-only keys {sorted(clash)} belong under 'amd'")
 
@@ -98,8 +79,11 @@ def table_path(kernel: str, table_dir: Path | None = None) -> Path:
 
 @lru_cache(maxsize=None)
 def _load(path: Path, mtime: float) -> dict[str, Any]:
+    """The table at `path`, checked against its schema once per version of the file."""
     with open(path) as f:
-        return json.load(f)
+        table = json.load(f)
+    schema_of(path.stem).check_table(table, str(path))
+    return table
 
 
 def load_table(kernel: str, table_dir: Path | None = None) -> dict[str, Any]:
@@ -142,11 +126,14 @@ def get_config(kernel: str, arch: str, fmt: str, size: int,
 
 def write_entry(kernel: str, arch: str, fmt: str, bucket: int, config: BlockConfig,
                 provenance: dict[str, Any], table_dir: Path | None = None) -> Path:
-    """Store a (tuned) entry with its provenance; atomic replace of the table file."""
+    """Store a (tuned) entry with its provenance, checked against the table's schema; atomic
+    replace of the table file."""
     path = table_path(kernel, table_dir)
+    entry = {**config.as_dict(), "provenance": provenance}
+    schema_of(kernel).check_entry(entry, arch, fmt,
+                                  f"{path}: arch {arch}, format {fmt}, bucket {bucket}")
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(arch, {}).setdefault(fmt, {})[str(bucket)] = {
-        **config.as_dict(), "provenance": provenance}
+    table.setdefault(arch, {}).setdefault(fmt, {})[str(bucket)] = entry
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -17,6 +17,7 @@ except ImportError:  # a Triton build without the NVIDIA extras: dependent launc
     gdc_launch_dependents = gdc_wait = None
 
 from qsa.configs import BlockConfig, get_config
+from qsa.configs.schema import SM90, takes
 
 
 class KernelInputError(ValueError):
@@ -42,7 +43,7 @@ def backend_and_arch() -> tuple[str, str]:
 
 def has_dependent_launch(backend: str, arch: str) -> bool:
     """Whether the device takes programmatic dependent launch: NVIDIA sm90 and newer."""
-    return backend == "cuda" and arch.startswith("sm") and int(arch[2:]) >= 90
+    return takes(SM90, backend, arch)
 
 
 def dependent_launch_here() -> bool:

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from qsa.configs import BlockConfig
+from qsa.configs.schema import host_keys
 from qsa.formats import MX_GROUP, FormatError, check_index_format
 from qsa.kernels.common import (KernelInputError, check_index_planes, data_checks_enabled,
                                 require, require_dtype, require_inner_contiguous,
@@ -61,9 +62,9 @@ from qsa.presets import ModelPreset
 # Smallest M a matrix-unit tile has (mma m16n8k16 on sm90, 16x16 MFMA on gfx9): stacked
 # operands with fewer rows x heads are padded to it with masked rows.
 MIN_MMA_M = 16
-# Meta keys that steer the host-side launch plan and are not kernel arguments.
-HOST_META_KEYS = ("PROGRAMS_PER_UNIT", "MAX_TILES", "BLOCK_MH", "HOIST_Q_MIN_TILES",
-                  "DECODE_MIN_GROUPS")
+# Meta keys that steer the host-side launch plan and are not kernel arguments: those the
+# scorers' schemas mark as host keys.
+HOST_META_KEYS = host_keys("score_stacked", "score_rowwise", "score_prefill")
 
 
 # ------------------------------------------------------------------------------------------------

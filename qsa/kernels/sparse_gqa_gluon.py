@@ -28,12 +28,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 
+from qsa.configs.schema import schema_of
 from qsa.kernels.common import require
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
 IMPL = "gluon"
+_KW_DEFAULT = schema_of("sparse_gqa_decode").key("KW").default
 MMA_M = gl.constexpr(16)  # mma.sync m16n8k16: the G query heads of a KV head, padded
 
 
@@ -253,7 +255,7 @@ def launch(q, kc, vc, ks, vs, slots, out, po, lse, *, num_splits: int, split_blo
         vs.stride(0), out.stride(0), out.stride(1), qk_scale,
         HKV=hkv, G=g, D=d, BLOCK_N=block_n, PAGE=page, SPLIT_BLOCKS=split_blocks,
         FP8=fp8, SPLIT=num_splits > 1, STAGES=meta["STAGES"], LOAD_WARPS=meta["LOAD_WARPS"],
-        LOAD_REGS=meta["LOAD_REGS"], KW=meta.get("KW", 8), num_warps=num_warps,
+        LOAD_REGS=meta["LOAD_REGS"], KW=meta.get("KW", _KW_DEFAULT), num_warps=num_warps,
         **({"maxnreg": meta["MAXNREG"]} if meta.get("MAXNREG", 0) else {}))
 
 

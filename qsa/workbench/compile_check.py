@@ -6,12 +6,13 @@ spill; a config that only fails on the target would otherwise surface on a user'
 kernels are compiled through their real wrappers, so the signature, the specialisation and the
 constexprs are exactly what a launch on that device would compile: a stand-in driver reports
 the target, every launch becomes a warm-up (compile, no run), and the table lookup sees the
-target's arch and backend (AMD launch keys included). Inputs are the smoke suite's shapes, in
-production dtypes (bf16, and the arch's FP8 flavour). Registers, spills and shared memory come
-from the compiled code: `ptxas -v` for sm90, the AMDGPU kernel descriptor for gfx9. With
-`sass`, each kernel's opcode histogram too (the SASS from the nvdisasm Triton ships on sm90, the
-instructions of the assembly Triton keeps on gfx9), so two revisions' outputs can be diffed
-(`diff_checks`) before anything reaches a GPU.
+target's arch and backend (AMD launch keys included). Inputs are every op's smoke points
+(`qsa.workbench.registry`, which the smoke suite runs too), in production dtypes (bf16, and the
+arch's FP8 flavour). Registers, spills and shared memory come from the compiled code: `ptxas -v`
+for sm90, the AMDGPU kernel descriptor for gfx9. With `sass`, each kernel's opcode histogram
+too (the SASS from the nvdisasm Triton ships on sm90, the instructions of the assembly Triton
+keeps on gfx9), so two revisions' outputs can be diffed (`diff_checks`) before anything
+reaches a GPU.
 
 It must run without TRITON_INTERPRET (the interpreter never compiles); `qsa compile-check`
 starts it in its own process, one process and a fresh Triton cache per target.
@@ -48,7 +49,7 @@ TARGETS: dict[str, tuple[str, int | str, int, int]] = {
 # GPU specifications). A launch checks it at load time, which a compile-only run never
 # reaches, so the check compares it here.
 SHARED_LIMIT = {"sm90": 227 * 1024, "gfx950": 160 * 1024, "gfx942": 64 * 1024}
-PRESET = "qwen3.8-flash-next"  # the model's dimensions, on the smoke suite's small shapes
+PRESET = "qwen3.8-flash-next"  # the model's dimensions, on the smoke points' small shapes
 SPILLS_MEASURED = "spills (tuned on the device: kept)"
 PASSING = ("ok", SPILLS_MEASURED)
 # Beside the table `X.csv`, `X.sass.json` holds its rows with their opcode histograms.
@@ -99,6 +100,7 @@ def compiling_for(arch: str) -> Iterator[list[tuple[str, Any]]]:
 
     import qsa.kernels.common as common
     import qsa.workbench.ops as ops
+    import qsa.workbench.verify as verify
     from qsa.measure.device import cpu_device, fp8_flavour_for_arch
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -120,12 +122,12 @@ def compiling_for(arch: str) -> Iterator[list[tuple[str, Any]]]:
     users = [m for m in list(sys.modules.values())
              if getattr(m, "__name__", "").startswith("qsa.kernels.")
              and getattr(m, "unit_count", None) is common.unit_count]
-    saved = (common.backend_and_arch, ops._interpreting, ops.detect_device)
+    saved = (common.backend_and_arch, verify.interpreting, ops.detect_device)
     previous = driver._active  # None on a machine without a GPU (no default driver exists)
     driver.set_active(_StandInDriver(GPUTarget(backend, gpu_arch, warp)))
     JITFunction.run = warm_run
     common.backend_and_arch = lambda: (backend, arch)
-    ops._interpreting = lambda device: False  # production dtypes, no fp32 surrogates
+    verify.interpreting = lambda device: False  # production dtypes, no fp32 surrogates
     ops.detect_device = lambda index=0: device
     real_units = common.unit_count
     for m in users:
@@ -136,7 +138,7 @@ def compiling_for(arch: str) -> Iterator[list[tuple[str, Any]]]:
         for m in users:
             m.unit_count = real_units
         JITFunction.run = real_run
-        common.backend_and_arch, ops._interpreting, ops.detect_device = saved
+        common.backend_and_arch, verify.interpreting, ops.detect_device = saved
         driver._active = previous
 
 
@@ -287,14 +289,15 @@ def _status(usage_: dict[str, int], arch: str, measured: bool) -> str:
 
 def check(arch: str, ops_filter: set[str] | None = None,
           sass: bool = False) -> list[dict[str, Any]]:
-    """One row per (smoke point, table entry of its kernel and format, launched kernel);
-    status "ok", "spills", SPILLS_MEASURED (an entry the tuner timed on the target, spills
-    and all: not a failure), "exceeds shared memory" or "error" (did not compile). With
-    `sass`, every compiled kernel's `isa_record` too."""
+    """One row per (smoke point, table entry of its kernel and format, launched kernel), and
+    per path a spec forces on (`OpSpec.forced`); status "ok", "spills", SPILLS_MEASURED (an
+    entry the tuner timed on the target, spills and all: not a failure), "exceeds shared
+    memory" or "error" (did not compile). With `sass`, every compiled kernel's `isa_record`
+    too."""
     import qsa.kernels
     from qsa.presets import as_preset
-    from qsa.workbench.ops import KERNEL_OF, Point, prepare
-    from qsa.workbench.suites import load_suite
+    from qsa.workbench.ops import Point, env_overrides, prepare
+    from qsa.workbench.suites import smoke_points
 
     for mod in pkgutil.iter_modules(qsa.kernels.__path__):  # loaded before the patching
         importlib.import_module(f"qsa.kernels.{mod.name}")
@@ -302,14 +305,15 @@ def check(arch: str, ops_filter: set[str] | None = None,
     rows: list[dict[str, Any]] = []
     seen = set()
     with compiling_for(arch) as compiled:
-        for pt in load_suite("smoke").points:
+        for pt in smoke_points():
             args = {"rows": preset.rows_per_verify, **pt, "selection": "index"}
             point = Point(args.pop("op"), preset, **args)
             key = (point.op, point.index_format, point.kv_format)
             if (ops_filter and point.op not in ops_filter) or key in seen:
                 continue
             seen.add(key)
-            entries = [e for e in table_entries(KERNEL_OF[point.op], arch)
+            spec = point.spec
+            entries = [e for e in table_entries(spec.table, arch)
                        if e[1] in point.table_formats]
             if not entries:
                 continue
@@ -335,17 +339,14 @@ def check(arch: str, ops_filter: set[str] | None = None,
                               "fmt": fmt, "bucket": bucket,
                               "config": json.dumps(cfg.as_dict(), sort_keys=True), **record},
                              cfg, measured)
-            if point.op == "score_prefill" and point.fmt != "bf16":
-                # Long contexts decode the keys once and score with the BF16 entry's tiles:
-                # that path, forced on the smoke shape, through the lookups production makes.
-                from qsa.kernels.score_prefill import DECODE_ENV
-                from qsa.workbench.ops import env_overrides
-
-                with env_overrides({DECODE_ENV: "1"}):
-                    compile_rows({"arch": arch, "op": point.op, "table_arch": arch,
-                                  "fmt": point.fmt, "bucket": 0,
-                                  "config": "keys decoded once: the table's lookups", **record},
-                                 None, False)
+            for forced in spec.forced:
+                # A path of larger shapes (prefill keys decoded once), forced on the smoke
+                # shape, through the lookups production makes.
+                if point.fmt in spec.schema.key(forced.key).formats:
+                    with env_overrides({forced.env.resolve(): "1"}):
+                        compile_rows({"arch": arch, "op": point.op, "table_arch": arch,
+                                      "fmt": point.fmt, "bucket": 0, "config": forced.label,
+                                      **record}, None, False)
     return rows
 
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import pandas as pd
 
-from qsa.configs import BlockConfig, get_config
+from qsa.configs import AMD_KEYS, BlockConfig, get_config
+from qsa.configs.schema import LAUNCH_KEYS
 from qsa.kernels.common import Lookup, backend_and_arch
 from qsa.workbench import tune as tuner
 from qsa.workbench.ops import Point, Prepared, config_coordinate, prepare
 
-LAUNCH_KEYS = ("num_warps", "num_stages")
-AMD_KEYS = ("waves_per_eu",)
+LAUNCH = tuple(k.name for k in LAUNCH_KEYS)
 
 
 def in_jupyterlab() -> bool:
@@ -65,7 +65,7 @@ def start(point: Point, device: str | None = None, samples: int | None = None) -
 
 def choices(session: Session) -> dict[str, tuple[int, ...]]:
     """The values each control offers, the current entry's own value among them."""
-    return tuner.config_axes(session.current, session.backend, session.arch)
+    return tuner.config_axes(session.point.op, session.current, session.backend, session.arch)
 
 
 def current_values(session: Session) -> dict[str, int]:
@@ -83,7 +83,7 @@ def changes(session: Session, values: dict[str, int]) -> dict[str, Any]:
         raise ValueError(f"config: {unknown} are not keys of this kernel ({sorted(axes)})")
     out: dict[str, Any] = {"meta": {k: int(v) for k, v in values.items()
                                     if k in session.current.meta}}
-    out.update({k: int(values[k]) for k in LAUNCH_KEYS if k in values})
+    out.update({k: int(values[k]) for k in LAUNCH if k in values})
     amd = {k: int(values[k]) for k in AMD_KEYS if k in values}
     if amd:
         out["amd"] = amd

@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 
 from qsa.measure.results import load_run
+from qsa.workbench.registry import find
 
 BLOCK = re.compile(r"(<!-- results: (?P<run>\S+) -->\n)(?P<body>.*?)(<!-- /results -->)",
                    re.S)
-KV_OPS = ("kv_store", "sparse_gqa_decode", "sparse_gqa_prefill")
 SHAPE_KEYS = ("op", "batch", "context", "rows", "selection", "overlap_target")
 
 
@@ -29,10 +29,10 @@ def _tokens(n: float) -> str:
 def _column(r: pd.Series, forced: bool) -> str:
     """A point's column: the storage format it reads and, in a run that forces sparse GQA
     paths, the path it was asked to take (or "chosen" per call)."""
-    if r["op"] == "topk_expand":
-        fmt = "fp32 scores"
-    else:
-        fmt = r["kv_format"] if r["op"] in KV_OPS else r["index_format"]
+    spec = find(r["op"])
+    fmt = spec.storage_format(r["index_format"], r["kv_format"])
+    if spec.storage == "scores":
+        fmt += " scores"
     sharing = r.get("sharing")
     if not forced or not isinstance(sharing, str):
         return str(fmt)
@@ -42,7 +42,7 @@ def _column(r: pd.Series, forced: bool) -> str:
 def _shape(r: pd.Series) -> str:
     s = f"{r['op']}, b{int(r['batch'])} x {_tokens(r['context'])}, {int(r['rows'])} rows"
     ov = r.get("overlap_target")
-    if isinstance(ov, float) and not pd.isna(ov) and r["op"] in KV_OPS[1:]:
+    if isinstance(ov, float) and not pd.isna(ov) and find(r["op"]).takes_selection:
         s += f", overlap {ov:g}"
     return s
 

@@ -12,7 +12,6 @@ once as a graph and replayed, which includes the gaps between kernels that a ser
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +20,9 @@ import pandas as pd
 
 from qsa.measure.timing import METHOD_GRAPH, time_fn
 from qsa.presets import ModelPreset, as_preset
-from qsa.workbench.ops import ATTENTION_OPS, Point, Prepared, measure_prepared, prepare
+from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
+from qsa.workbench.registry import find, layer_pass
 
-# Kernels of one layer pass per phase, in execution order; the decode scorer is chosen like
-# the runtime does ("score").
-LAYER_OPS: dict[str, tuple[str, ...]] = {
-    "decode": ("compress", "kv_store", "score", "topk_expand", "sparse_gqa_decode"),
-    "prefill": ("compress", "kv_store", "score_prefill", "topk_expand", "sparse_gqa_prefill"),
-}
-PHASES = tuple(LAYER_OPS)
 SUM_ROW = "sum of kernels"  # the summary row of a step frame (suite targets name it too)
 # What each kernel row of a step carries about its inputs and the path the call took.
 STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path")
@@ -38,12 +31,6 @@ STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path")
 def step_total(steps: pd.DataFrame) -> float:
     """µs per step summed over the kernels, from a `step_breakdown` frame."""
     return float(steps.loc[steps["kernel"] == SUM_ROW, "us_per_step"].iloc[0])
-
-
-def decode_scorer_op() -> str:
-    """`QSA_STACKED_DECODE_SCORER=0` selects the row-wise kernel (A/B runs, escape hatch)."""
-    return "score_rowwise" if os.environ.get("QSA_STACKED_DECODE_SCORER", "1") == "0" \
-        else "score_stacked"
 
 
 @dataclass(frozen=True)
@@ -60,7 +47,7 @@ class StepCall:
         """The measurable shape of this call in a step of `batch` requests at `context`, its
         rows' selections overlapping by `overlap` (target mean Jaccard of neighbours); with a
         `trace`, the target layers' sparse GQA replays its selections instead."""
-        if trace is not None and self.phase == "target" and self.op in ATTENTION_OPS:
+        if trace is not None and self.phase == "target" and find(self.op).takes_selection:
             return Point(self.op, preset, batch, context, self.rows, self.index_format,
                          self.kv_format, selection="trace", trace=trace)
         return Point(self.op, preset, batch, context, self.rows, self.index_format,
@@ -74,15 +61,12 @@ def step_calls(preset: ModelPreset, mtp: int, index_format: str, kv_format: str,
     rows per request (`phase` "prefill"), one entry per distinct (phase, op) call shape."""
     if mtp < 0:
         raise ValueError(f"mtp: must be >= 0, got {mtp}")
-    if phase not in LAYER_OPS:
-        raise ValueError(f"phase: {phase!r} is not one of {', '.join(PHASES)}")
+    ops = [s.name for s in layer_pass(phase)]  # the decode scorer as the runtime chooses it
     if phase == "prefill" and (rows is None or rows < 1):
         raise ValueError(f"rows: a prefill chunk needs its rows per request (>= 1), got {rows}")
     if phase == "decode" and rows is not None:
         raise ValueError("rows: a decode step's rows follow from MTP (mtp + 1 verify rows); "
                          "give rows only with phase prefill")
-    score = decode_scorer_op()
-    ops = [score if o == "score" else o for o in LAYER_OPS[phase]]
     target_rows, draft_rows, draft_calls = ((mtp + 1, 1, mtp) if phase == "decode"
                                             else (rows, rows, 1))
     calls = [StepCall("target", o, target_rows, len(preset.qsa_layers), index_format,

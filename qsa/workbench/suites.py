@@ -22,6 +22,7 @@ import pandas as pd
 
 from qsa.measure.files import load_yaml
 from qsa.presets import DEFAULT_PRESET, ModelPreset, ShapeError, get_preset
+from qsa.workbench.registry import REGISTRY
 
 if TYPE_CHECKING:
     from qsa.measure.results import RunWriter
@@ -34,6 +35,8 @@ METRICS = ("us", "pct_bandwidth", "achieved_tflops", "us_per_step")
 # What makes two rows of a run the same measurement but for the fields a target's `over` changes.
 IDENTITY = (*POINT_AXES, "record", "kernel", "phase", "mtp", "step_phase",
             "chunk_rows", "overlap_target")
+# A grid that stands for every op's smoke points (`OpSpec.smoke`), declared with the ops.
+SMOKE_GRID = {"registry": "smoke"}
 
 
 class SuiteError(ValueError):
@@ -117,6 +120,17 @@ def _expand(grid: dict[str, Any], where: str) -> list[dict[str, Any]]:
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
 
 
+def smoke_points() -> list[dict[str, Any]]:
+    """Every op's smoke points, expanded, each with its op: what the smoke suite runs
+    (`SMOKE_GRID`) and the compile check compiles."""
+    return [p for spec in REGISTRY for i, g in enumerate(spec.smoke)
+            for p in _expand({"op": spec.name, **g}, f"{spec.name}: smoke[{i}]")]
+
+
+def _grid_points(grid: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    return smoke_points() if grid == SMOKE_GRID else _expand(grid, where)
+
+
 def _target(d: dict[str, Any], where: str) -> Target:
     if not isinstance(d, dict) or "name" not in d or "metric" not in d or "where" not in d:
         raise SuiteError(f"{where}: a target needs name, metric and where")
@@ -139,7 +153,7 @@ def parse_suite(text: str, source: str) -> Suite:
     if unknown:
         raise SuiteError(f"{source}: unknown keys {sorted(unknown)}")
     points = [p for i, g in enumerate(d.get("grids") or [])
-              for p in _expand(g, f"{source}: grids[{i}]")]
+              for p in _grid_points(g, f"{source}: grids[{i}]")]
     steps = []
     for i, s in enumerate(d.get("steps") or []):
         if set(s) - set(STEP_KEYS) or not {"batch", "context", "formats"} <= set(s):

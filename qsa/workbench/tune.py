@@ -1,13 +1,13 @@
 """Block-config tuner: verified candidates, timed with the workbench's method, winners written
 to the per-arch config tables with provenance.
 
-The search space is derived from the table's current entry, so no second hand-kept list of a
-kernel's constexprs exists: every integer meta-parameter is tried at half, same and double its
-value, the warp count at 2, 4, 8 and half and double the entry's, switches (`SWITCH_KEYS`, but
-not a CUDA-only one on ROCm nor an sm90 one where the device lacks it) at both values, with the
-launch options the backend accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`). The
-table's other entries for the same kernel and format come right after the current entry
-(`table_seeds`).
+The search space comes from the op's config schema (`qsa.configs.schema`) around the table's
+current entry: each of the entry's meta keys as its schema says, sizes and counts at half, same
+and double their value within the schema's range, switches at both values where the device
+takes them (an sm90-only switch is held elsewhere), thresholds that decide a call's path held;
+the warp count at 2, 4, 8 and half and double the entry's, with the launch options the backend
+accepts (NVIDIA rejects AMD keys; AMD adds `waves_per_eu`). The table's other entries for the
+same kernel and format come right after the current entry (`table_seeds`).
 Candidates that exceed shared memory or registers are pruned by Triton's own resource check
 at compile time (`OutOfResources`, before any launch); like every failing candidate (compile
 error, wrong result) they are recorded with the reason and skipped.
@@ -39,13 +39,13 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from qsa.configs import (COUNTS_FROM_ONE, HELD_KEYS, SM90_SWITCHES, SWITCH_KEYS, BlockConfig,
-                         ConfigError, get_config, load_table, write_entry)
-from qsa.kernels.common import Lookup, backend_and_arch, has_dependent_launch
+from qsa.configs import BlockConfig, ConfigError, get_config, load_table, write_entry
+from qsa.configs.schema import HELD, HIP, SWITCH, ConfigSchema, Key, takes
+from qsa.kernels.common import Lookup, backend_and_arch
 from qsa.measure.device import detect_device
 from qsa.presets import DEFAULT_PRESET, ModelPreset, as_preset
-from qsa.workbench.ops import (KERNEL_OF, Point, Prepared, config_coordinate,
-                               measure_prepared, prepare)
+from qsa.workbench.ops import Point, Prepared, config_coordinate, measure_prepared, prepare
+from qsa.workbench.registry import find
 
 WARPS = (2, 4, 8)
 # Most warps one program may have: 1,024 threads, 32 warps of 32 on NVIDIA, 16 wavefronts of
@@ -61,14 +61,25 @@ SHAPE_KEYS = ("batch", "context", "rows")  # of the point an entry is tuned at (
 EARLIER_KEYS = ("date", "device", "torch", "triton", "verdict", "us", "previous_us", "shape")
 
 
-def _neighbours(key: str, v: int, backend: str, arch: str) -> tuple[int, ...]:
-    if key in SM90_SWITCHES and not has_dependent_launch(backend, arch):
+def _neighbours(key: Key, v: int, backend: str, arch: str) -> tuple[int, ...]:
+    """The values the search tries for `key` around the entry's `v` (see the module
+    docstring): `v` alone where the device can not take the key or the schema holds it."""
+    if not takes(key.only_on, backend, arch) or key.kind == HELD:
         return (v,)
-    if key in SWITCH_KEYS:
+    if key.kind == SWITCH:
         return (0, 1)
-    if v <= 1 and key not in COUNTS_FROM_ONE:
-        return (v,)
-    return tuple(sorted({max(v // 2, 1), v, v * 2}))
+    return tuple(sorted(c for c in {v // 2, v, v * 2} if key.allows(c)) or (v,))
+
+
+def _schema_keys(schema: ConfigSchema, base: BlockConfig) -> list[Key]:
+    """The schema's keys of the entry's meta keys, sorted by name; a key outside the schema
+    is refused (a table holding one is refused when it is loaded)."""
+    names = {k.name for k in schema.keys}
+    unknown = sorted(set(base.meta) - names)
+    if unknown:
+        raise ConfigError(f"{schema.table}: meta keys {unknown} are not in its schema "
+                          f"({', '.join(sorted(names))})")
+    return sorted((schema.key(k) for k in base.meta), key=lambda k: k.name)
 
 
 def _launchable(w: int, backend: str) -> bool:
@@ -82,9 +93,9 @@ def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig, bucket: int
     neighbours of `base`, which a search around `base` can not reach when they are several
     steps away: this arch's other buckets, nearest to `bucket` first, then the
     arch-independent defaults, at most MAX_SEEDS. Only entries of the kernel as it is now
-    (the same meta keys), with switches the device can take (`_neighbours`) and a launchable
-    warp count; the arch's own AMD launch keys stay, a default entry takes those of `base`.
-    An entry that does not parse is not a candidate (`qsa compile-check` reports it)."""
+    (the same meta keys) with a launchable warp count; the arch's own AMD launch keys stay, a
+    default entry takes those of `base`. Every entry holds to the table's schema (checked on
+    loading), so none sets a key this device can not take."""
     table = load_table(kernel)
     own = sorted(table.get(arch, {}).get(fmt, {}).items(),
                  key=lambda kv: abs(math.log2(max(int(kv[0]), 1)) - math.log2(max(bucket, 1))))
@@ -93,42 +104,39 @@ def table_seeds(kernel: str, arch: str, fmt: str, base: BlockConfig, bucket: int
     for section, entries in ((arch, own), ("default", default)):
         for _, entry in entries:
             amd = entry.get("amd", {}) if section == arch and backend == "hip" else base.amd
-            try:
-                cfg = BlockConfig.from_dict({**entry, "amd": amd})
-            except ConfigError:
-                continue
-            held = all(cfg.meta[k] in _neighbours(k, base.meta[k], backend, arch)
-                       for k in SWITCH_KEYS if k in base.meta and k in cfg.meta)
-            if (set(cfg.meta) == set(base.meta) and held and cfg != base
+            cfg = BlockConfig.from_dict({**entry, "amd": amd})
+            if (set(cfg.meta) == set(base.meta) and cfg != base
                     and _launchable(cfg.num_warps, backend)):
                 seeds.setdefault(json.dumps(cfg.as_dict(), sort_keys=True), cfg)
     return list(seeds.values())[:MAX_SEEDS]
 
 
-def config_axes(base: BlockConfig, backend: str, arch: str = "") -> dict[str, tuple[int, ...]]:
-    """The values each config key takes in the search around `base`: every integer meta key
-    of the entry (`_neighbours`), then `num_warps`, `num_stages` and, on HIP, `waves_per_eu`.
-    The search (`config_space`) and the interactive controls (`qsa.workbench.interactive`)
-    both read it."""
-    keys = sorted(k for k, v in base.meta.items()
-                  if isinstance(v, int) and not isinstance(v, bool) and k not in HELD_KEYS)
-    axes = {k: _neighbours(k, base.meta[k], backend, arch) for k in keys}
+def config_axes(op: str, base: BlockConfig, backend: str, arch: str = ""
+                ) -> dict[str, tuple[int, ...]]:
+    """The values each config key takes in the search around `base`, an entry of `op`'s
+    table: each meta key of the entry as the op's schema says (`_neighbours`; held keys are
+    not axes), then `num_warps`, `num_stages` and, on HIP, `waves_per_eu`. The search
+    (`config_space`) and the interactive controls (`qsa.workbench.interactive`) both read
+    it."""
+    keys = [k for k in _schema_keys(find(op).schema, base) if k.kind != HELD]
+    axes = {k.name: _neighbours(k, base.meta[k.name], backend, arch) for k in keys}
     # The fixed warp counts, and like every size half and double the entry's own: a kernel
     # whose entry runs 16 warps (top-k over long rows) is searched around 16.
     around = {base.num_warps // 2, base.num_warps, base.num_warps * 2}
     axes["num_warps"] = tuple(sorted(w for w in set(WARPS) | around if _launchable(w, backend)))
     axes["num_stages"] = STAGES.get(backend, (base.num_stages,))
-    if backend == "hip":
+    if takes(HIP, backend, arch):
         axes["waves_per_eu"] = WAVES_PER_EU
     return axes
 
 
 def config_space(op: str, base: BlockConfig, backend: str, max_candidates: int = 48,
                  arch: str = "", seeds: list[BlockConfig] = ()) -> list[BlockConfig]:
-    """Candidates around `base`, the fewest changes first, the base itself first of all, then
-    `seeds` (other table entries, `table_seeds`). `arch` ("sm90", "gfx950", ...) decides which
-    switches the device can take."""
-    axes = config_axes(base, backend, arch)
+    """Candidates around `base`, an entry of `op`'s table, the fewest changes first, the base
+    itself first of all, then `seeds` (other table entries, `table_seeds`). Only the op's
+    schema keys vary (`config_axes`); `arch` ("sm90", "gfx950", ...) decides which keys the
+    device can take."""
+    axes = config_axes(op, base, backend, arch)
     keys = [k for k in axes if k in base.meta]
     warps, stages = axes["num_warps"], axes["num_stages"]
     waves = axes.get("waves_per_eu", (None,))
@@ -160,7 +168,7 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
     bucket: the fastest candidate if it beats the current entry by more than that noise,
     otherwise the current entry, confirmed. `candidates`: changes to the current entry to try
     instead of the derived space (see `with_changes`). `selection`: `random` tunes sparse GQA
-    decode on worst-case selections (see `qsa.workbench.ops.SELECTIONS`); `overlap` tunes on
+    decode on worst-case selections (see `qsa.workbench.registry.SELECTIONS`); `overlap` tunes on
     rows whose selections overlap that much, where sparse GQA takes its shared path."""
     point = Point(op, as_preset(preset), batch, context, rows, index_format, kv_format,
                   selection=selection, overlap=overlap)
@@ -274,7 +282,7 @@ def tune_all(points: list[Point], *, device: str | None = None, max_candidates: 
 
         it = tqdm(points, desc="tune --all", unit="shape")
     for i, point in enumerate(it):
-        row: dict[str, Any] = {**point.as_record(), "kernel": KERNEL_OF[point.op]}
+        row: dict[str, Any] = {**point.as_record(), "kernel": point.spec.table}
         try:
             prep = prepare(point, device)
             coord = config_coordinate(prep)
@@ -371,7 +379,7 @@ def tune_all_on_cluster(points: list[Point], address: str, *, max_candidates: in
     first: dict[tuple[str, str, int], int] = {}
     to_tune: list[int] = []
     for i, (point, loc) in enumerate(zip(points, found)):
-        row: dict[str, Any] = {**point.as_record(), "kernel": KERNEL_OF[point.op]}
+        row: dict[str, Any] = {**point.as_record(), "kernel": point.spec.table}
         if isinstance(loc, BaseException):
             row.update(status=type(loc).__name__, error=_short(loc))
         else:
@@ -564,11 +572,12 @@ def write_winner(df: pd.DataFrame, op: str, arch: str, fmt: str, bucket: int,
             "method": best["method"], "candidates": int(len(df)), "verified": int(len(ok)),
             "previous_us": float(cur["us"].iloc[0]) if not cur.empty else None,
             **_tuned_shape(best), **extra}
-    earlier = _tuned_entry(KERNEL_OF[op], arch, fmt, bucket)
+    table = find(op).table
+    earlier = _tuned_entry(table, arch, fmt, bucket)
     if earlier is not None:
         prov["earlier"] = earlier
     cfg = _config(best)
-    write_entry(KERNEL_OF[op], arch, fmt, bucket, cfg, prov)
+    write_entry(table, arch, fmt, bucket, cfg, prov)
     return cfg
 
 
