@@ -44,8 +44,8 @@ for s in $suites; do
 done
 step bench_offload python3 scripts/bench_offload.py --out "$out/bench_offload" $quick
 # Memory checker (full run only): every op of the smoke suite once, verified, no timing, and
-# the GPU tests of what a smoke shape does not reach (sparse GQA's slot pre-pass, merge by the
-# last split, PV by head-dim halves and programmatic dependent launch, the K/V store's exponent
+# the GPU tests of what a smoke shape does not reach (sparse GQA's slot pre-pass, PV by
+# head-dim halves, programmatic dependent launch and the Gluon kernel, the K/V store's exponent
 # range), under compute-sanitizer memcheck when the host has it.
 sanitizer="$(command -v compute-sanitizer || true)"
 for dir in "${CUDA_HOME:-}" /usr/local/cuda; do
@@ -62,6 +62,6 @@ else
     --out "$out/memcheck_store"
   step memcheck_tests "${memcheck[@]}" python3 -m pytest -m "gpu or on_gpu_too" -q \
     -p no:cacheprovider tests/test_kernel_sparse_gqa.py tests/test_kernel_kv_quant.py \
-    -k "(test_gpu_decode and flash-next-8) or test_gpu_decode_pdl or exponent_range"
+    -k "(test_gpu_decode and flash-next-8) or test_gpu_decode_pdl or gluon_graph or exponent_range"
 fi
 exit $status

@@ -498,6 +498,27 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
         "tuned earlier on this device (at batch 8, context 40, rows 2)"]
 
 
+def test_with_changes_to_another_implementation_swaps_its_keys():
+    """A candidate of the Gluon implementation takes its own keys and leaves the Triton-only
+    ones behind, so the table can hold it; without an impl change new keys are refused."""
+    from qsa.configs.schema import schema_of
+
+    schema = schema_of("sparse_gqa_decode")
+    base = BlockConfig({"BLOCK_N": 128, "PV_HALVES": 1, "SLOTS": 1, "PDL": 0,
+                        "SPLIT_RESIDENT_PER_SM": 2}, 4, 2)
+    gluon = {"impl": "gluon", "num_stages": 1,
+             "meta": {"BLOCK_N": 64, "STAGES": 3, "LOAD_WARPS": 4, "LOAD_REGS": 96}}
+    got = tune_mod.with_changes(base, gluon, schema)
+    assert got.impl == "gluon" and got.meta == {"BLOCK_N": 64, "SPLIT_RESIDENT_PER_SM": 2,
+                                                "STAGES": 3, "LOAD_WARPS": 4, "LOAD_REGS": 96}
+    schema.check_entry(got.as_dict(), "sm90", "fp8", "candidate")
+    with pytest.raises(ValueError, match="STAGES"):
+        tune_mod.with_changes(base, {"meta": {"STAGES": 3}}, schema)
+    with pytest.raises(ValueError, match="impl 'gluon' serves bf16 and fp8 entries of arch "
+                                         "sm90, not format 'fp8' of arch 'gfx950'"):
+        schema.check_entry(got.as_dict(), "gfx950", "fp8", "candidate")
+
+
 def test_with_changes_refuses_unknown_keys_and_ranked_marks_the_noise():
     base = BlockConfig({"BLOCK_N": 64}, 4, 2)
     assert tune_mod.with_changes(base, {"meta": {"BLOCK_N": 32}, "num_warps": 8}) == \

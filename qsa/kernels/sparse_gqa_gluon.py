@@ -29,7 +29,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 
 from qsa.configs.schema import schema_of
-from qsa.kernels.common import require
+from qsa.kernels.common import kernel_repr, require
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
@@ -177,7 +177,8 @@ def _compute_partition(q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo, 
                  + d_o[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
-@gluon.jit
+@gluon.jit(repr=kernel_repr("sparse_gqa_decode_gluon",
+                            ["FP8", "G", "D", "BLOCK_N", "STAGES", "LOAD_WARPS", "SPLIT"]))
 def _sparse_gqa_gluon_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, po_ptr,
                              lse_ptr, width, num_splits, stride_qr, stride_qh, stride_sr,
                              stride_kb, stride_vb, stride_ksb, stride_vsb, stride_or,

@@ -49,7 +49,10 @@ def _shape(r: pd.Series) -> str:
 
 def points_table(df: pd.DataFrame) -> str:
     """One line per shape, one column per format (and forced path); each cell µs per call,
-    then its speed against the line's first column, measured in the same run."""
+    then its speed against the line's first column, measured in the same run. A step run
+    (`qsa step`) has no points."""
+    if "verified" not in df or "us" not in df:
+        return ""
     pts = df[(df.get("record", "point") == "point") & df["verified"].eq(True)
              & df["us"].notna()].copy()
     if pts.empty:
@@ -79,10 +82,12 @@ def points_table(df: pd.DataFrame) -> str:
 
 def steps_table(df: pd.DataFrame) -> str:
     """Steps of the run: per phase, shape and overlap, each format pair's summed and
-    graph-replayed µs, and its speed against the first pair."""
-    if "record" not in df:
+    graph-replayed µs, and its speed against the first pair. A suite marks its step rows
+    (`record`); every row of a `qsa step` run is one."""
+    if "step_phase" not in df:
         return ""
-    st = df[(df["record"] == "step") & df["kernel"].isin(["sum of kernels", "graph replay"])]
+    steps = df["record"] == "step" if "record" in df else True
+    st = df[steps & df["kernel"].isin(["sum of kernels", "graph replay"])]
     if st.empty:
         return ""
     st = st.assign(pair=st["index_format"] + "/" + st["kv_format"],
@@ -124,8 +129,8 @@ def run_tables(run_dir: str | Path) -> str:
             "against the line's first column, in the same run.\n\n")
     parts = [head, points_table(df)]
     steps = steps_table(df)
-    if steps:
-        parts += ["\n", steps]
+    if steps:  # below the points, if the run has any (a `qsa step` run has none)
+        parts += ["\n", steps] if parts[-1] else [steps]
     targets = Path(run_dir) / "targets.json"
     if targets.exists():
         import json

@@ -177,25 +177,30 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
                          device=device)
 
 
-def with_changes(base: BlockConfig, changes: dict[str, Any]) -> BlockConfig:
+def with_changes(base: BlockConfig, changes: dict[str, Any], schema: ConfigSchema | None = None
+                 ) -> BlockConfig:
     """`base` with some values changed: `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`. Keys are
     checked by name, so a typo is an error rather than an untested default. A change of
     `impl` (another implementation of the kernel) may add the meta keys that implementation
-    reads."""
+    reads, and drops those the table's `schema` gives to other implementations only."""
     unknown = set(changes) - {"meta", "num_warps", "num_stages", "amd", "impl"}
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)} (meta, num_warps, "
                          "num_stages, amd, impl)")
+    impl = changes.get("impl", base.impl)
     new_meta = set(changes.get("meta", {})) - set(base.meta)
-    if new_meta and changes.get("impl", base.impl) == base.impl:
+    if new_meta and impl == base.impl:
         raise ValueError(f"config: meta keys {sorted(new_meta)} are not in the current entry "
                          f"({sorted(base.meta)})")
     d = base.as_dict()
+    if impl != base.impl and schema is not None:
+        d["meta"] = {k: v for k, v in d["meta"].items()
+                     if not schema.key(k).impls or impl in schema.key(k).impls}
     d["meta"].update(changes.get("meta", {}))
     d["amd"].update(changes.get("amd", {}))
     for key in ("num_warps", "num_stages"):
         d[key] = int(changes.get(key, d[key]))
-    d["impl"] = changes.get("impl", base.impl)
+    d["impl"] = impl
     return BlockConfig.from_dict(d)
 
 
@@ -216,7 +221,8 @@ def tune_prepared(prep: Prepared, coord: Lookup | None = None, *, max_candidates
                                          coord.size, backend))
     else:
         tried = {json.dumps(c.as_dict(), sort_keys=True): c
-                 for c in (with_changes(current.config, ch) for ch in candidates)}
+                 for c in (with_changes(current.config, ch, find(op).schema)
+                           for ch in candidates)}
         space = [current.config, *[c for c in tried.values() if c != current.config]]
     rows_out: list[dict[str, Any]] = []
     it = space
