@@ -102,6 +102,7 @@ def test_notebook_runs_a_py_notebook_with_parameters_and_refuses_typos(tmp_path)
         assert res.returncode == 2 and "profile=gpu asked for" in res.stderr
 
 
+@pytest.mark.slow
 def test_compare_two_runs_writes_the_table_and_the_figure(tmp_path):
     for _ in range(2):
         res = runner.invoke(app, ["bench", "--op", "compress", "--batch", "1", "--context", "48",
@@ -164,12 +165,14 @@ def test_offload_check_names_the_page_count_given():
     _one_line_error(_qsa(["offload-check", "--pages", "-3"]), "--pages: must be >= 1, got -3")
 
 
+@pytest.mark.slow
 def test_help_pages_do_not_announce_the_interpreter():
     for args in (["--help"], ["bench", "--help"], ["tune", "--help"]):
         res = _qsa(args)
         assert res.returncode == 0 and "no GPU" not in res.stderr + res.stdout, args
 
 
+@pytest.mark.slow
 def test_a_failing_notebook_cell_is_one_line_naming_the_executed_notebook(tmp_path):
     out = tmp_path / "run.ipynb"
     res = _qsa(["notebook", "tests/fixtures/notebooks/sweep_point.py", "-p", "fail_values=[2]",

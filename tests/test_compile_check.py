@@ -137,6 +137,7 @@ def test_loop_opcodes_take_the_longest_backward_branch():
     assert loop_opcodes("        /*0000*/                   EXIT ;\n") == []
 
 
+@pytest.mark.slow
 def test_sm90_loops_compile_a_point_and_list_its_main_loops():
     """`sm90_loops` compiles what a workbench point launches for sm90 (in its own process: the
     test process runs under the interpreter) and gives each kernel's main loop; `skip` leaves

@@ -370,6 +370,7 @@ def test_errors() -> None:
             pytest.fail(f"no error for {what}")
 
 
+@pytest.mark.slow
 def test_compress_compiles_for_gpu_targets() -> None:
     variants = []
     for fmt, code, scale in (("bf16", "*bf16", "constexpr"), ("fp8", "*fp8e4nv", "*fp32"),

@@ -195,7 +195,7 @@ def _union_by_sets(ids: torch.Tensor, batch: PagedBatch, per: int, pool: int
     return blocks
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 90), st.integers(0, 5)), min_size=1, max_size=4),
        st.integers(1, 7), st.sampled_from([1, 2, 4, 8]), st.sampled_from([16, 32]),
        st.integers(0, 2**31 - 1))

@@ -233,6 +233,7 @@ def test_grouped_bars_one_bar_per_group_and_x(tmp_path: Path) -> None:
     assert "functional" not in svg.lower()  # no times in the table: exact on any device
 
 
+@pytest.mark.slow
 def test_figures_for_run_regenerates_every_figure(tmp_path: Path) -> None:
     records = decode_table().drop(columns=["run_id", "device", "kind"]).to_dict("records")
     with start_run("decode-scoring", root=tmp_path, device=FakeDevice()) as run:

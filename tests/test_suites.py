@@ -94,6 +94,7 @@ def test_targets_take_the_worst_verified_row_and_pair_twins_on_the_whole_point()
     assert none["value"] is None and none["met"] is None and none["unverified"] == 1
 
 
+@pytest.mark.slow
 def test_a_suite_runs_into_one_store_run(tmp_path):
     suite = parse_suite("""
 name: tiny

@@ -319,6 +319,7 @@ def _qsa(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
                           text=True, env=dict(os.environ), timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_synth_then_check(tmp_path):
     path = tmp_path / "t.safetensors"
     res = _qsa(["trace", "synth", str(path), "--overlap", "0.9", "--batch", "4", "--context",
@@ -337,6 +338,7 @@ def test_cli_synth_then_check(tmp_path):
     assert "overlap 0.9" in checked["source"] and "seed 3" in checked["source"]
 
 
+@pytest.mark.slow
 def test_cli_check_refuses_a_damaged_file_in_one_line(tmp_path):
     good = write_trace(tmp_path / "good.safetensors", synth_trace(PRESET, 2, 2048, 4, 0.0))
     data = good.read_bytes()
