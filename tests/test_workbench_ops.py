@@ -23,9 +23,25 @@ def test_every_op_verifies_and_records(op):
     assert rec["verified"] is True
     assert rec["op"] == op and rec["batch"] == 2 and rec["context"] == 45
     assert rec["bytes_moved"] > 0 and rec["us"] > 0
+    assert rec["impl"] == "triton"  # no other implementation runs without an sm90 GPU
     if not torch.cuda.is_available():
         assert rec["functional_only"] is True and rec["pct_bandwidth"] is None
     json.loads(rec["config"])
+
+
+def test_the_record_names_the_implementation_the_lookup_resolved():
+    """A call whose entry names the Gluon kernel is recorded as such; lookups of other tables
+    (the step's other kernels, a merge) do not count."""
+    from qsa.configs import BlockConfig
+    from qsa.kernels.common import Lookup
+
+    prep = prepare(Point("sparse_gqa_decode", TINY, 1, 45, 1, kv_format="fp8",
+                         selection="random"), "cpu")
+    gluon = BlockConfig({"BLOCK_N": 64}, impl="gluon")
+    seen = [Lookup("sparse_gqa_decode", "fp8", 4, gluon, False),
+            Lookup("topk", "fp32", 4, BlockConfig({"CHUNK": 256}), False)]
+    assert ops._implementation(prep, seen) == "gluon"
+    assert ops._implementation(prep, seen[1:]) == "triton"
 
 
 def test_wrong_output_is_refused_not_timed(monkeypatch):

@@ -67,6 +67,14 @@ def prepare(point: Point, device: str | None = None) -> Prepared:
     return point.spec.build(point, device, dev)
 
 
+def _implementation(prep: Prepared, seen: list[Lookup]) -> str:
+    """Which implementation of the op's kernel ran the call ("triton", "gluon"): the entry
+    its own config lookup resolved, so the record says it whoever chose (a table or an
+    explicit config)."""
+    impls = sorted({s.config.impl for s in seen if s.kernel == prep.point.spec.table})
+    return ",".join(impls) or "triton"
+
+
 def _verified_record(point: Point, config: BlockConfig | None) -> dict[str, Any]:
     """The columns of a verified point before its timing: shape, kernel, config."""
     return {**point.as_record(), "kernel": point.spec.table,
@@ -80,7 +88,8 @@ def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
     the point is timed a second time in the same run and the record carries the repeat and
     the noise verdict (`repeat_same_within_noise`), so a caller can tell noise from change."""
     dev = detect_device()
-    prep.check(config)
+    with observe_lookups() as seen:
+        prep.check(config)
     kw: dict[str, Any] = {"bytes_per_set": prep.bytes_per_set}
     if samples is not None:
         kw["samples"] = samples
@@ -99,6 +108,7 @@ def measure_prepared(prep: Prepared, config: BlockConfig | None = None,
         **timing.as_record(),
         **{k: v for k, v in repeat.items() if k.startswith(("repeat_", "noise_"))},
         **roofline_record(timing, prep.work, ceilings, matrix=matrix),
+        "impl": _implementation(prep, seen),
     }
     rec["us"] = rec["median_us"]
     return rec

@@ -24,8 +24,9 @@ from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
 from qsa.workbench.registry import find, layer_pass
 
 SUM_ROW = "sum of kernels"  # the summary row of a step frame (suite targets name it too)
-# What each kernel row of a step carries about its inputs and the path the call took.
-STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path")
+# What each kernel row of a step carries about its inputs, the path the call took and the
+# implementation that ran it.
+STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path", "impl")
 
 
 def step_total(steps: pd.DataFrame) -> float:
