@@ -20,6 +20,11 @@ for arg in "$@"; do
 done
 marker=()
 [ "$full" = 1 ] || marker=(-m "not slow")  # a -m among the arguments wins: pytest keeps the last
+# The default lane runs on every CPU core (pytest-xdist; QSA_TEST_WORKERS=0 runs in one
+# process); the full lane stays in one, since scripts/gpu_check.sh runs it on a GPU that timed
+# tests must not share.
+workers=()
+[ "$full" = 1 ] || workers=(-n "${QSA_TEST_WORKERS:-auto}")
 # The Ray sweep backend is tested in the full lane; the default lane needs no Ray, so a fresh
 # clone installs it only for --full (a venv that already has it keeps it).
 if [ -z "${QSA_EXTRAS:-}" ]; then
@@ -32,4 +37,5 @@ fi
 source "$root/scripts/bootstrap.sh"
 cd "$QSA_ROOT"
 python -m ruff check qsa scripts tests notebooks  # pyflakes rules, pyproject [tool.ruff]
-exec python -m pytest -q ${marker[@]+"${marker[@]}"} ${args[@]+"${args[@]}"}
+exec python -m pytest -q ${marker[@]+"${marker[@]}"} ${workers[@]+"${workers[@]}"} \
+  ${args[@]+"${args[@]}"}
