@@ -20,19 +20,21 @@ warps by role, which plain Triton can not for a gathered tile:
   maximum undone on the product), so both implementations agree within the same tolerance.
 
 Ids arrive as cache slots (`block * PAGE + offset`, -1 for none: the Triton module's slots
-pre-pass or a row block's union), so a load warp is one dependent load away from its copies.
-Splits write the Triton kernel's partials and share its merge kernel.
+pre-pass), so a load warp is one dependent load away from its copies; a row block's union is a
+list of the same kind, so the shared path could feed the load warps as it is. Splits write the
+Triton kernel's partials and share its merge kernel. Measurements:
+profiles/nvidia-h200/bench/attention/gluon/NOTES.md.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
-
-from qsa.configs.schema import schema_of
-from qsa.kernels.common import kernel_repr, require
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
+
+from qsa.configs.schema import schema_of
+from qsa.kernels.common import kernel_repr, require
 
 IMPL = "gluon"
 _KW_DEFAULT = schema_of("sparse_gqa_decode").key("KW").default
