@@ -45,6 +45,7 @@ import triton.language as tl
 
 from qsa import overlap
 from qsa.configs import BlockConfig, get_config
+from qsa.configs.schema import schema_of
 from qsa.formats import check_kv_format
 from qsa.kernels import common, sparse_gqa_gluon
 from qsa.kernels.row_union import row_block_union
@@ -496,16 +497,21 @@ def split_count(rows: int, preset: ModelPreset, width: int, kv_format: str,
 
 
 def _check_impl(cfg: BlockConfig, kernel: str, fmt: str) -> str:
-    """The entry's implementation, refused where it can not run: the Gluon kernel is NVIDIA
-    sm90's (warp specialization, cp.async, mbarriers), for decode calls over per-row lists."""
+    """The entry's implementation, refused where it can not run. Which formats and arch an
+    implementation serves is declared once, in the table's schema (`qsa.configs.schema`): the
+    Gluon kernel is NVIDIA sm90's (warp specialization, cp.async, mbarriers), for decode calls
+    over per-row lists."""
     if cfg.impl == "triton":
         return "triton"
+    serves = schema_of(kernel).impls.get(cfg.impl)
+    require(serves is not None, f"config: impl {cfg.impl} does not implement {kernel}")
+    formats, only_arch = serves
     backend, arch = common.backend_and_arch()
-    require(backend == "cuda" and arch == "sm90",
-            f"config: impl {cfg.impl} runs on NVIDIA sm90 only; this device is {backend} {arch}"
-            " (use impl triton)")
-    require(kernel == KERNEL_DECODE and not fmt.endswith(SHARED),
-            f"config: impl {cfg.impl} implements the per-row decode path, not {kernel} {fmt}")
+    require(backend == "cuda" and arch == only_arch,
+            f"config: impl {cfg.impl} runs on NVIDIA {only_arch} only; this device is {backend} "
+            f"{arch} (use impl triton)")
+    require(fmt in formats, f"config: impl {cfg.impl} serves {kernel} formats "
+                            f"{', '.join(formats)}, not {fmt}")
     return cfg.impl
 
 

@@ -37,7 +37,9 @@ from qsa.configs.schema import schema_of
 from qsa.kernels.common import kernel_repr, require
 
 IMPL = "gluon"
-_KW_DEFAULT = schema_of("sparse_gqa_decode").key("KW").default
+# The defaults of the keys an entry may leave out (KW, MAXNREG), as its schema declares them.
+_DEFAULTS = {k.name: k.default for k in schema_of("sparse_gqa_decode").keys_of("fp8", IMPL)
+             if k.default is not None}
 MMA_M = gl.constexpr(16)  # mma.sync m16n8k16: the G query heads of a KV head, padded
 
 
@@ -242,6 +244,7 @@ def launch(q, kc, vc, ks, vs, slots, out, po, lse, *, num_splits: int, split_blo
     LOAD_WARPS, LOAD_REGS (the load warps' register budget) and MAXNREG (registers per thread
     of the whole program, 0: the compiler's; 128 lets two programs share an SM)."""
     rows, _, d = q.shape
+    meta = {**_DEFAULTS, **meta}
     block_n = meta["BLOCK_N"]
     require(g <= MMA_M, f"GQA group {g}: the Gluon kernel holds at most {MMA_M} query heads "
                         "per KV head (use impl triton)")
@@ -258,8 +261,8 @@ def launch(q, kc, vc, ks, vs, slots, out, po, lse, *, num_splits: int, split_blo
         vs.stride(0), out.stride(0), out.stride(1), qk_scale,
         HKV=hkv, G=g, D=d, BLOCK_N=block_n, PAGE=page, SPLIT_BLOCKS=split_blocks,
         FP8=fp8, SPLIT=num_splits > 1, STAGES=meta["STAGES"], LOAD_WARPS=meta["LOAD_WARPS"],
-        LOAD_REGS=meta["LOAD_REGS"], KW=meta.get("KW", _KW_DEFAULT), num_warps=num_warps,
-        **({"maxnreg": meta["MAXNREG"]} if meta.get("MAXNREG", 0) else {}))
+        LOAD_REGS=meta["LOAD_REGS"], KW=meta["KW"], num_warps=num_warps,
+        **({"maxnreg": meta["MAXNREG"]} if meta["MAXNREG"] else {}))
 
 
 __all__ = ["IMPL", "launch"]
