@@ -138,6 +138,29 @@ def test_loop_opcodes_take_the_longest_backward_branch():
     assert loop_opcodes("        /*0000*/                   EXIT ;\n") == []
 
 
+def test_loop_opcodes_of_a_warp_specialized_kernel_are_its_compute_loop():
+    """The dispatch loop of a warp-specialized kernel spans its partitions and their EXITs; the
+    main loop is the longest partition loop (here the compute warps' MMA loop)."""
+    from qsa.workbench.compile_check import loop_opcodes
+
+    sass = """
+.L_x_0:
+        /*0000*/                   ISETP.NE.AND P0, PT, R0, RZ, PT ;
+.L_x_1:
+        /*0010*/                   LDGSTS.E [R2], desc[UR4][R4.64] ;
+        /*0020*/               @P1 BRA `(.L_x_1) ;
+        /*0030*/                   EXIT ;
+.L_x_2:
+        /*0040*/                   LDSM.16.M88.4 R8, [R6] ;
+        /*0050*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0060*/                   FMUL R14, R12, R13 ;
+        /*0070*/               @P2 BRA `(.L_x_2) ;
+        /*0080*/                   EXIT ;
+        /*0090*/               @P0 BRA `(.L_x_0) ;
+"""
+    assert loop_opcodes(sass) == ["LDSM.16.M88.4", "HMMA.16816.F32", "FMUL", "BRA"]
+
+
 @pytest.mark.slow
 def test_sm90_loops_compile_a_point_and_list_its_main_loops():
     """`sm90_loops` compiles what a workbench point launches for sm90 (in its own process: the

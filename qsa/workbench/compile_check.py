@@ -193,18 +193,23 @@ _SASS_LABEL = re.compile(r"^\.(L_x_\d+):\s*\n\s+/\*([0-9a-f]+)\*/", re.M)
 
 def loop_opcodes(sass: str) -> list[str]:
     """Opcodes of a kernel's main loop: from the target of its longest backward branch to the
-    branch, in order. Their count per warp and per loop trip is what an issue-bound kernel's
-    time follows, so kernel changes are compared on it before they reach a GPU."""
-    lines = _SASS_LINE.findall(sass)
+    branch, in order, leaving out branches whose span holds an EXIT. Their count per warp and
+    per loop trip is what an issue-bound kernel's time follows, so kernel changes are compared
+    on it before they reach a GPU. A warp-specialized kernel's warps run their partitions
+    from one dispatch loop, whose back edge spans every partition and their EXITs: the main
+    loop is then the longest partition loop (the compute warps')."""
+    lines = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
     labels = {m.group(1): int(m.group(2), 16) for m in _SASS_LABEL.finditer(sass)}
+    exits = [addr for addr, op, _ in lines if op == "EXIT"]
     lo = hi = 0
     for addr, op, rest in lines:
         target = re.search(r"\.(L_x_\d+)", rest)
         if op.startswith("BRA") and target and target.group(1) in labels:
-            start, end = labels[target.group(1)], int(addr, 16)
-            if start < end and end - start > hi - lo:
-                lo, hi = start, end
-    return [op for addr, op, _ in lines if lo <= int(addr, 16) <= hi] if hi else []
+            start = labels[target.group(1)]
+            if (start < addr and addr - start > hi - lo
+                    and not any(start <= e <= addr for e in exits)):
+                lo, hi = start, addr
+    return [op for addr, op, _ in lines if lo <= addr <= hi] if hi else []
 
 
 def sass_opcodes(sass: str) -> Counter[str]:
