@@ -34,3 +34,21 @@ def test_a_step_run_reports_its_steps() -> None:
     assert lines[4].startswith("| decode, b32 x 32K, overlap 0 | bf16/bf16 | 2,346 µs | ")
     assert lines[5].startswith("| decode, b32 x 32K, overlap 0 | fp8/fp8 | 1,782 µs (1.32x) | ")
     assert "kernel, shape" not in body
+
+
+def test_points_name_their_implementation_where_a_run_has_two() -> None:
+    """A run where some call ran the Gluon kernel says in each cell which implementation ran;
+    a run of Triton calls only says nothing more."""
+    import pandas as pd
+
+    from qsa.workbench.report import points_table
+
+    base = {"record": "point", "verified": True, "op": "sparse_gqa_decode", "batch": 64,
+            "context": 131072, "rows": 4, "index_format": "bf16"}
+    df = pd.DataFrame([{**base, "kv_format": "bf16", "us": 250.0, "impl": "triton"},
+                       {**base, "kv_format": "fp8", "us": 125.0, "impl": "gluon"}])
+    assert points_table(df).splitlines()[2] == (
+        "| sparse_gqa_decode, b64 x 128K, 4 rows | 250.0 µs, triton | 125.0 µs (2.00x), gluon |")
+    df["impl"] = "triton"
+    assert points_table(df).splitlines()[2] == (
+        "| sparse_gqa_decode, b64 x 128K, 4 rows | 250.0 µs | 125.0 µs (2.00x) |")

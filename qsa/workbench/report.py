@@ -49,8 +49,9 @@ def _shape(r: pd.Series) -> str:
 
 def points_table(df: pd.DataFrame) -> str:
     """One line per shape, one column per format (and forced path); each cell µs per call,
-    then its speed against the line's first column, measured in the same run. A step run
-    (`qsa step`) has no points."""
+    then its speed against the line's first column, measured in the same run, and, in a run
+    where some call ran another implementation than Triton, the implementation each call ran
+    (`impl`). A step run (`qsa step`) has no points."""
     if "verified" not in df or "us" not in df:
         return ""
     pts = df[(df.get("record", "point") == "point") & df["verified"].eq(True)
@@ -58,6 +59,8 @@ def points_table(df: pd.DataFrame) -> str:
     if pts.empty:
         return ""
     forced = "sharing" in pts and bool(pts["sharing"].isin(["per-row", "shared"]).any())
+    impls = pts["impl"].dropna() if "impl" in pts else pd.Series(dtype=object)
+    show_impl = bool(impls.ne("triton").any())
     pts["column"] = pts.apply(_column, axis=1, forced=forced)
     pts["shape"] = pts.apply(_shape, axis=1)
     cols = list(dict.fromkeys(pts["column"]))
@@ -75,6 +78,8 @@ def points_table(df: pd.DataFrame) -> str:
             row = g[g["column"] == c].iloc[0]
             if isinstance(row.get("path"), str) and row.get("sharing") == "auto":
                 extra = f", {row['path']}"
+            if show_impl and isinstance(row.get("impl"), str):
+                extra += f", {row['impl']}"
             cells.append(f"{us[c]:.1f} µs{ratio}{extra}")
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
