@@ -679,9 +679,16 @@ def test_gluon_impl_is_refused_where_it_can_not_run() -> None:
     assert "impl" not in _entry_with("fp8", 4).as_dict()  # Triton entries keep their JSON
 
 
+# No pre-pass: the load warps resolve the ids and hand the slots over in shared memory.
+RESOLVING = {"SLOTS_AHEAD": 1, "RESOLVE_IDS": 1}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_warps", "meta"), [(4, {}), (4, {"BLOCK_N": 32, "STAGES": 4}),
-                                                 (8, {"STAGES": 2, "LOAD_WARPS": 1})])
+@pytest.mark.parametrize(("num_warps", "meta"), [
+    (4, {}), (4, {"BLOCK_N": 32, "STAGES": 4}), (8, {"STAGES": 2, "LOAD_WARPS": 1}),
+    (4, {"SLOTS_AHEAD": 1}), (4, RESOLVING),
+    (8, {**RESOLVING, "BLOCK_N": 64, "STAGES": 1, "LOAD_WARPS": 2})],
+    ids=["base", "n32-s4", "w8-lw1", "ahead", "resolving", "resolving-w8"])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 @pytest.mark.parametrize("preset_name", ["qwen3.8-flash-next", "qwen3.8-flash-next-tp2"])
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -689,7 +696,8 @@ def test_gluon_impl_is_refused_where_it_can_not_run() -> None:
 def test_gpu_decode_gluon(kv_format: str, block_size: int, preset_name: str,
                           splits: int | None, num_warps: int, meta: dict) -> None:
     """The Gluon kernel on poisoned outputs, a ragged batch over shuffled pages, a row without
-    ids, split (merged by the merge kernel) and unsplit."""
+    ids, split (merged by the merge kernel) and unsplit; slots from the pre-pass or resolved
+    by the load warps."""
     if not _on_sm90():
         pytest.skip(NOT_SM90)
     case, ids = _gpu_case(kv_format, preset_name, block_size, GPU_DECODE)
@@ -702,14 +710,16 @@ def test_gpu_decode_gluon(kv_format: str, block_size: int, preset_name: str,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("meta", [{}, RESOLVING], ids=["pre-pass", "resolving"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_gpu_decode_gluon_graph_replay(kv_format: str) -> None:
-    """Captured in a CUDA graph (the slots pre-pass, the Gluon grid, the merge) and replayed."""
+def test_gpu_decode_gluon_graph_replay(kv_format: str, meta: dict) -> None:
+    """Captured in a CUDA graph (the slots pre-pass or none, the Gluon grid, the merge) and
+    replayed."""
     if not _on_sm90():
         pytest.skip(NOT_SM90)
     case, ids = _gpu_case(kv_format, "qwen3.8-flash-next", 64, GPU_DECODE)
     ref = _reference(case, ids, kv_format)
-    config = _gluon_entry(kv_format, ids.shape[0])
+    config = _gluon_entry(kv_format, ids.shape[0], **meta)
     q, cache = surrogate(case.q), surrogate_cache(case.cache)
     out = torch.empty(tuple(case.q.shape), dtype=OUT_DTYPE, device=DEVICE)
 

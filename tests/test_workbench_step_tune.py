@@ -500,7 +500,8 @@ def test_tune_all_tunes_each_coordinate_once_and_resumes_from_the_tables(monkeyp
 
 def test_with_changes_to_another_implementation_swaps_its_keys():
     """A candidate of the Gluon implementation takes its own keys and leaves the Triton-only
-    ones behind, so the table can hold it; without an impl change new keys are refused."""
+    ones behind, so the table can hold it; without an impl change, new keys are refused unless
+    the schema gives them a default for the entry's implementation."""
     from qsa.configs.schema import schema_of
 
     schema = schema_of("sparse_gqa_decode")
@@ -514,6 +515,11 @@ def test_with_changes_to_another_implementation_swaps_its_keys():
     schema.check_entry(got.as_dict(), "sm90", "fp8", "candidate")
     with pytest.raises(ValueError, match="STAGES"):
         tune_mod.with_changes(base, {"meta": {"STAGES": 3}}, schema)
+    # a key the entry leaves at its schema default may be set, on its own implementation only
+    assert tune_mod.with_changes(base, {"meta": {"NUM_SPLITS": 8}}, schema).meta["NUM_SPLITS"] == 8
+    assert tune_mod.with_changes(got, {"meta": {"SLOTS_AHEAD": 1}}, schema).meta["SLOTS_AHEAD"] == 1
+    with pytest.raises(ValueError, match="SLOTS_AHEAD"):
+        tune_mod.with_changes(base, {"meta": {"SLOTS_AHEAD": 1}}, schema)
     with pytest.raises(ValueError, match="impl 'gluon' serves bf16 and fp8 entries of arch "
                                          "sm90, not format 'fp8' of arch 'gfx950'"):
         schema.check_entry(got.as_dict(), "gfx950", "fp8", "candidate")

@@ -258,6 +258,11 @@ _GLUON_DECODE_KEYS = (
         "compiler's; 128 lets two programs share an SM)", default=0, impls=_GLUON),
     Key("KW", SIZE, 2, 8, "head-dim codes per thread of the QK operands (their K-width)",
         default=8, impls=_GLUON),
+    Key("SLOTS_AHEAD", SWITCH, 0, 1, "the load warps load a tile's slots while the previous "
+        "tile's copies fly and hand them to the compute warps in shared memory",
+        default=0, impls=_GLUON),
+    Key("RESOLVE_IDS", SWITCH, 0, 1, "the load warps resolve token ids through the page table "
+        "(no slots pre-pass launch; needs SLOTS_AHEAD)", default=0, impls=_GLUON),
 )
 
 SCHEMAS: dict[str, ConfigSchema] = {s.table: s for s in (

@@ -559,8 +559,10 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     split = num_splits > 1
     bp2 = max(64, triton.next_power_of_2(batch.batch))  # one variant for batch <= 64
     gluon = host.get("impl") == sparse_gqa_gluon.IMPL
-    # a row block's union is one of slots; the Gluon kernel's load warps take slots
-    slots = bool(host.get("SLOTS", 0)) or per > 1 or gluon
+    # a row block's union is one of slots; the Gluon kernel's load warps take slots unless
+    # its entry resolves the ids itself
+    slots = (bool(host.get("SLOTS", 0)) or per > 1
+             or (gluon and not sparse_gqa_gluon.resolves_ids(kw)))
     pdl = _use_pdl(host)
     pdl_kw = {"launch_pdl": True} if pdl else {}
     ids = row_bits = union_len = token_ids  # the union's bits and length: unread unless ROWS > 1
@@ -581,8 +583,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     else:
         po = lse = out  # unread placeholders
     if gluon:
-        sparse_gqa_gluon.launch(q, kc, vc, ks, vs, ids, out, po, lse, num_splits=num_splits,
-                                split_blocks=split_blocks, hkv=hkv, g=g, page=batch.block_size,
+        sparse_gqa_gluon.launch(q, kc, vc, ks, vs, ids, batch, out, po, lse,
+                                num_splits=num_splits, split_blocks=split_blocks, hkv=hkv, g=g,
                                 fp8=fp8, qk_scale=preset.softmax_scale * LOG2E, meta=kw,
                                 num_warps=kw["num_warps"])
     else:

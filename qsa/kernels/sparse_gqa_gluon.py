@@ -28,6 +28,7 @@ profiles/nvidia-h200/bench/attention/gluon/NOTES.md.
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -37,57 +38,108 @@ from qsa.configs.schema import schema_of
 from qsa.kernels.common import kernel_repr, require
 
 IMPL = "gluon"
-# The defaults of the keys an entry may leave out (KW, MAXNREG), as its schema declares them.
+# The defaults of the keys an entry may leave out, as its schema declares them.
 _DEFAULTS = {k.name: k.default for k in schema_of("sparse_gqa_decode").keys_of("fp8", IMPL)
              if k.default is not None}
 MMA_M = gl.constexpr(16)  # mma.sync m16n8k16: the G query heads of a KV head, padded
 
 
 @gluon.jit
-def _load_partition(k_ptr, v_ptr, ks_ptr, vs_ptr, slots_row, width, n_lo, n_tiles, head,
-                    stride_kb, stride_vb, stride_ksb, stride_vsb,
-                    k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
+def _tile_slots(ids_row, n, width, bt_row, ctx, max_pages, num_blocks, PAGE: gl.constexpr,
+                RESOLVE_IDS: gl.constexpr):
+    """Cache slots of list entries `n` (-1: none). RESOLVE_IDS: the list holds token ids,
+    resolved here through the request's page table as the Triton module's slots pre-pass
+    does (padding, ids past the context and pages outside the pool are -1)."""
+    ids = gl.load(ids_row + n, mask=n < width, other=-1)
+    if RESOLVE_IDS:
+        page = ids // PAGE
+        valid = (ids >= 0) & (ids < ctx) & (page < max_pages)
+        blk = gl.load(bt_row + page, mask=valid, other=-1)
+        valid = valid & (blk >= 0) & (blk < num_blocks)
+        ids = gl.where(valid, blk * PAGE + ids % PAGE, -1)
+    return ids
+
+
+@gluon.jit
+def _load_partition(k_ptr, v_ptr, ks_ptr, vs_ptr, slots_row, width, n_lo, n_tiles, row, head,
+                    stride_kb, stride_vb, stride_ksb, stride_vsb, bt_ptr, ctx_ptr, qs_ptr,
+                    batch, num_blocks, max_pages, stride_bt,
+                    k_bufs, v_bufs, ks_bufs, vs_bufs, slot_bufs, ready, empty,
                     HKV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                     PAGE: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                    VEC: gl.constexpr, FP8: gl.constexpr):
-    """Gather tile i's K/V rows (and FP8 scales) into stage i % STAGES once it is empty."""
+                    VEC: gl.constexpr, FP8: gl.constexpr, SLOTS_AHEAD: gl.constexpr,
+                    RESOLVE_IDS: gl.constexpr, BATCH_P2: gl.constexpr):
+    """Gather tile i's K/V rows (and FP8 scales) into stage i % STAGES once it is empty.
+    SLOTS_AHEAD: a tile's slots are loaded while the previous tile's copies fly, and handed to
+    the compute warps in the stage (one more arrival on its ready barrier), so neither
+    partition waits on global memory for them at the top of a tile. RESOLVE_IDS: the list
+    holds the row's token ids (`_tile_slots`), so no pre-pass launch is needed."""
     COLS: gl.constexpr = D // VEC  # threads across one D row, VEC elements (16 B) each
     tile_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [LOAD_WARPS, 1], [1, 0])
     vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, tile_l))
+    n_row = n_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tile_l))
+    n_vec = n_lo + gl.arange(0, BLOCK_N, layout=vec_l)
+    if RESOLVE_IDS:  # the row's request: how many requests end at or before the row
+        b = gl.arange(0, BATCH_P2, layout=vec_l)
+        ends = gl.load(qs_ptr + 1 + b, mask=b < batch, other=2147483647)
+        req = gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), batch - 1)
+        ctx = gl.load(ctx_ptr + req)
+        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+    else:  # unread
+        ctx = width
+        bt_row = bt_ptr
+    if SLOTS_AHEAD:
+        slot = _tile_slots(slots_row, n_row, width, bt_row, ctx, max_pages, num_blocks, PAGE,
+                           RESOLVE_IDS)
+        slot1 = _tile_slots(slots_row, n_vec, width, bt_row, ctx, max_pages, num_blocks, PAGE,
+                            RESOLVE_IDS)
     for i in range(n_tiles):
         s = i % STAGES
-        n = n_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tile_l))
-        slot = gl.load(slots_row + n, mask=n < width, other=-1)
+        at = i * BLOCK_N
+        if SLOTS_AHEAD:
+            nxt = at + BLOCK_N
+            next_slot = _tile_slots(slots_row, n_row + nxt, width, bt_row, ctx, max_pages,
+                                    num_blocks, PAGE, RESOLVE_IDS)
+            next_slot1 = _tile_slots(slots_row, n_vec + nxt, width, bt_row, ctx, max_pages,
+                                     num_blocks, PAGE, RESOLVE_IDS)
+        else:
+            slot = gl.load(slots_row + n_row + at, mask=n_row + at < width, other=-1)
         valid = slot >= 0
-        row = (slot // PAGE).to(gl.int64)
-        tok = (slot % PAGE) * HKV + head
+        blk = (slot // PAGE).to(gl.int64)
+        off = (((slot % PAGE) * HKV + head) * D)[:, None] + d[None, :]
         # the stage's previous tile released (the first pass finds it free: phase 1 is done)
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        off = (tok * D)[:, None] + d[None, :]
-        cp.async_copy_global_to_shared(k_bufs.index(s), k_ptr + (row * stride_kb)[:, None] + off,
+        cp.async_copy_global_to_shared(k_bufs.index(s), k_ptr + (blk * stride_kb)[:, None] + off,
                                        mask=valid[:, None])
-        cp.async_copy_global_to_shared(v_bufs.index(s), v_ptr + (row * stride_vb)[:, None] + off,
+        cp.async_copy_global_to_shared(v_bufs.index(s), v_ptr + (blk * stride_vb)[:, None] + off,
                                        mask=valid[:, None])
         if FP8:
-            n1 = n_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=vec_l)
-            slot1 = gl.load(slots_row + n1, mask=n1 < width, other=-1)
-            row1 = (slot1 // PAGE).to(gl.int64)
+            if not SLOTS_AHEAD:
+                slot1 = gl.load(slots_row + n_vec + at, mask=n_vec + at < width, other=-1)
+            blk1 = (slot1 // PAGE).to(gl.int64)
             tok1 = (slot1 % PAGE) * HKV + head
-            cp.async_copy_global_to_shared(ks_bufs.index(s), ks_ptr + row1 * stride_ksb + tok1,
+            cp.async_copy_global_to_shared(ks_bufs.index(s), ks_ptr + blk1 * stride_ksb + tok1,
                                            mask=slot1 >= 0)
-            cp.async_copy_global_to_shared(vs_bufs.index(s), vs_ptr + row1 * stride_vsb + tok1,
+            cp.async_copy_global_to_shared(vs_bufs.index(s), vs_ptr + blk1 * stride_vsb + tok1,
                                            mask=slot1 >= 0)
         cp.mbarrier_arrive(ready.index(s), increment_count=False)
+        if SLOTS_AHEAD:
+            slot_bufs.index(s).store(slot1)
+            gl.thread_barrier()  # every load warp's slots stored before the one arrival below
+            mbarrier.arrive(ready.index(s))
+            slot = next_slot
+            slot1 = next_slot1
 
 
 @gluon.jit
-def _compute_partition(q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo, n_tiles,
-                       row, head, split, num_splits, stride_qr, stride_qh, stride_or,
-                       stride_oh, qk_scale, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
-                       vh_buf, HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+def _compute_partition(q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo,
+                       n_tiles, row, head, split, num_splits, stride_qr, stride_qh, stride_or,
+                       stride_oh, qk_scale, k_bufs, v_bufs, ks_bufs, vs_bufs, slot_bufs, ready,
+                       empty, vh_buf, HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-                       SPLIT: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr):
+                       SPLIT: gl.constexpr, KW: gl.constexpr, SLOTS_AHEAD: gl.constexpr,
+                       num_warps: gl.constexpr):
     """QK, online softmax and PV over the ring's tiles, then the row's output or partial."""
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps],
                                                     instr_shape=[16, 8])
@@ -126,9 +178,13 @@ def _compute_partition(q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo, 
     c = gl.full([MMA_M], 1.0, gl.float32, layout=row_l)  # FP8: the output is acc * c
     for i in range(n_tiles):
         s = i % STAGES
-        n = n_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        valid = gl.load(slots_row + n, mask=n < width, other=-1) >= 0
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if SLOTS_AHEAD:
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            valid = slot_bufs.index(s).load(col_l) >= 0
+        else:
+            n = n_lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+            valid = gl.load(slots_row + n, mask=n < width, other=-1) >= 0
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         k_op = k_bufs.index(s).permute((1, 0)).load(kb_l)
         if FP8:
             v = v_bufs.index(s).load(v_l)
@@ -182,17 +238,21 @@ def _compute_partition(q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo, 
 
 
 @gluon.jit(repr=kernel_repr("sparse_gqa_decode_gluon",
-                            ["FP8", "G", "D", "BLOCK_N", "STAGES", "LOAD_WARPS", "SPLIT"]))
+                            ["FP8", "G", "D", "BLOCK_N", "STAGES", "LOAD_WARPS", "SPLIT",
+                             "SLOTS_AHEAD"]))
 def _sparse_gqa_gluon_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, po_ptr,
-                             lse_ptr, width, num_splits, stride_qr, stride_qh, stride_sr,
-                             stride_kb, stride_vb, stride_ksb, stride_vsb, stride_or,
+                             lse_ptr, bt_ptr, ctx_ptr, qs_ptr, batch, num_blocks,
+                             max_pages, width, num_splits, stride_qr, stride_qh, stride_sr,
+                             stride_bt, stride_kb, stride_vb, stride_ksb, stride_vsb, stride_or,
                              stride_oh, qk_scale,
                              HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
                              BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                              SPLIT_BLOCKS: gl.constexpr, FP8: gl.constexpr,
                              SPLIT: gl.constexpr, STAGES: gl.constexpr,
                              LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             KW: gl.constexpr, num_warps: gl.constexpr):
+                             KW: gl.constexpr, SLOTS_AHEAD: gl.constexpr,
+                             RESOLVE_IDS: gl.constexpr, BATCH_P2: gl.constexpr,
+                             num_warps: gl.constexpr):
     pid = gl.program_id(0)
     split = pid % num_splits
     unit = pid // num_splits
@@ -219,30 +279,40 @@ def _sparse_gqa_gluon_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out
         ks_bufs = k_bufs
         vs_bufs = v_bufs
         vh_buf = k_bufs.index(0)
+    if SLOTS_AHEAD:
+        slot_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], flat_s)
+    else:  # unread
+        slot_bufs = k_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_s)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_s)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * LOAD_WARPS)  # one cp.async arrival per thread
+        # one cp.async arrival per load thread (SLOTS_AHEAD: and one with the tile's slots)
+        mbarrier.init(ready.index(s), count=32 * LOAD_WARPS + SLOTS_AHEAD)
         mbarrier.init(empty.index(s), count=1)
 
     gl.warp_specialize([
-        (_compute_partition, (q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width, n_lo, n_tiles,
-                              row, head, split, num_splits, stride_qr, stride_qh, stride_or,
-                              stride_oh, qk_scale, k_bufs, v_bufs, ks_bufs, vs_bufs, ready,
-                              empty, vh_buf, HKV, G, D, BLOCK_N, STAGES, FP8, SPLIT, KW, num_warps)),
-        (_load_partition, (k_ptr, v_ptr, ks_ptr, vs_ptr, slots_row, width, n_lo, n_tiles, head,
-                           stride_kb, stride_vb, stride_ksb, stride_vsb, k_bufs, v_bufs,
-                           ks_bufs, vs_bufs, ready, empty, HKV, D, BLOCK_N, PAGE, STAGES,
-                           LOAD_WARPS, VEC, FP8)),
+        (_compute_partition, (q_ptr, out_ptr, po_ptr, lse_ptr, slots_row, width,
+                              n_lo, n_tiles, row, head, split, num_splits, stride_qr,
+                              stride_qh, stride_or, stride_oh, qk_scale, k_bufs, v_bufs,
+                              ks_bufs, vs_bufs, slot_bufs, ready, empty, vh_buf, HKV, G, D,
+                              BLOCK_N, STAGES, FP8, SPLIT, KW, SLOTS_AHEAD, num_warps)),
+        (_load_partition, (k_ptr, v_ptr, ks_ptr, vs_ptr, slots_row, width, n_lo, n_tiles, row,
+                           head, stride_kb, stride_vb, stride_ksb, stride_vsb, bt_ptr, ctx_ptr,
+                           qs_ptr, batch, num_blocks, max_pages, stride_bt, k_bufs, v_bufs,
+                           ks_bufs, vs_bufs, slot_bufs, ready, empty, HKV, D, BLOCK_N, PAGE,
+                           STAGES, LOAD_WARPS, VEC, FP8, SLOTS_AHEAD, RESOLVE_IDS, BATCH_P2)),
     ], [LOAD_WARPS], [LOAD_REGS])
 
 
-def launch(q, kc, vc, ks, vs, slots, out, po, lse, *, num_splits: int, split_blocks: int,
-           hkv: int, g: int, page: int, fp8: bool, qk_scale: float, meta: dict[str, int],
-           num_warps: int) -> None:
+def launch(q, kc, vc, ks, vs, ids, batch, out, po, lse, *, num_splits: int,
+           split_blocks: int, hkv: int, g: int, fp8: bool, qk_scale: float,
+           meta: dict[str, int], num_warps: int) -> None:
     """One launch over every (row, KV head, split): `meta` holds the entry's BLOCK_N, STAGES,
-    LOAD_WARPS, LOAD_REGS (the load warps' register budget) and MAXNREG (registers per thread
-    of the whole program, 0: the compiler's; 128 lets two programs share an SM)."""
+    LOAD_WARPS, LOAD_REGS (the load warps' register budget), MAXNREG (registers per thread
+    of the whole program, 0: the compiler's; 128 lets two programs share an SM), KW,
+    SLOTS_AHEAD and RESOLVE_IDS. `ids`: the rows' token ids where the entry resolves them
+    (`resolves_ids`), else their cache slots. Splits leave their partials to the caller's
+    merge kernel."""
     rows, _, d = q.shape
     meta = {**_DEFAULTS, **meta}
     block_n = meta["BLOCK_N"]
@@ -254,15 +324,26 @@ def launch(q, kc, vc, ks, vs, slots, out, po, lse, *, num_splits: int, split_blo
             f"head_dim {d}: a K/V row must fit one warp's 16-byte copies (at most 512 bytes)")
     require(meta["STAGES"] >= 1 and meta["LOAD_WARPS"] >= 1,
             f"config: STAGES {meta['STAGES']} and LOAD_WARPS {meta['LOAD_WARPS']} must be >= 1")
-    grid = (rows * hkv * num_splits,)
-    _sparse_gqa_gluon_kernel[grid](
-        q, kc, vc, ks, vs, slots, out, po, lse, slots.shape[1], num_splits,
-        q.stride(0), q.stride(1), slots.stride(0), kc.stride(0), vc.stride(0), ks.stride(0),
+    require(meta["SLOTS_AHEAD"] or not meta["RESOLVE_IDS"],
+            "config: RESOLVE_IDS 1 needs SLOTS_AHEAD 1 (the load warps hand the resolved slots "
+            "to the compute warps)")
+    bt = batch.block_table
+    _sparse_gqa_gluon_kernel[(rows * hkv * num_splits,)](
+        q, kc, vc, ks, vs, ids, out, po, lse, bt, batch.context_lens, batch.query_start,
+        batch.batch, kc.shape[0], bt.shape[1], ids.shape[1], num_splits, q.stride(0),
+        q.stride(1), ids.stride(0), bt.stride(0), kc.stride(0), vc.stride(0), ks.stride(0),
         vs.stride(0), out.stride(0), out.stride(1), qk_scale,
-        HKV=hkv, G=g, D=d, BLOCK_N=block_n, PAGE=page, SPLIT_BLOCKS=split_blocks,
+        HKV=hkv, G=g, D=d, BLOCK_N=block_n, PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
         FP8=fp8, SPLIT=num_splits > 1, STAGES=meta["STAGES"], LOAD_WARPS=meta["LOAD_WARPS"],
-        LOAD_REGS=meta["LOAD_REGS"], KW=meta["KW"], num_warps=num_warps,
-        **({"maxnreg": meta["MAXNREG"]} if meta["MAXNREG"] else {}))
+        LOAD_REGS=meta["LOAD_REGS"], KW=meta["KW"], SLOTS_AHEAD=meta["SLOTS_AHEAD"],
+        RESOLVE_IDS=meta["RESOLVE_IDS"], BATCH_P2=max(64, triton.next_power_of_2(batch.batch)),
+        num_warps=num_warps, **({"maxnreg": meta["MAXNREG"]} if meta["MAXNREG"] else {}))
 
 
-__all__ = ["IMPL", "launch"]
+def resolves_ids(meta: dict[str, int]) -> bool:
+    """Whether an entry's kernel takes token ids (and resolves them itself) instead of the
+    slots of the Triton module's pre-pass."""
+    return bool({**_DEFAULTS, **meta}["RESOLVE_IDS"])
+
+
+__all__ = ["IMPL", "launch", "resolves_ids"]

@@ -177,10 +177,18 @@ def tune(op: str, *, preset: str | ModelPreset = DEFAULT_PRESET, batch: int, con
                          device=device)
 
 
+def _defaulted(schema: ConfigSchema, name: str, impl: str) -> bool:
+    """Whether `schema` declares key `name` for `impl` entries with a default, so an entry
+    without it runs that default and may be given another value."""
+    key = next((k for k in schema.keys if k.name == name), None)
+    return key is not None and key.default is not None and (not key.impls or impl in key.impls)
+
+
 def with_changes(base: BlockConfig, changes: dict[str, Any], schema: ConfigSchema | None = None
                  ) -> BlockConfig:
     """`base` with some values changed: `{"meta": {"BLOCK_N": 64}, "num_warps": 8}`. Keys are
-    checked by name, so a typo is an error rather than an untested default. A change of
+    checked by name, so a typo is an error rather than an untested default; a key the entry
+    leaves out may be set where the `schema` declares its default. A change of
     `impl` (another implementation of the kernel) may add the meta keys that implementation
     reads, and drops those the table's `schema` gives to other implementations only."""
     unknown = set(changes) - {"meta", "num_warps", "num_stages", "amd", "impl"}
@@ -189,9 +197,12 @@ def with_changes(base: BlockConfig, changes: dict[str, Any], schema: ConfigSchem
                          "num_stages, amd, impl)")
     impl = changes.get("impl", base.impl)
     new_meta = set(changes.get("meta", {})) - set(base.meta)
+    if impl == base.impl and schema is not None:
+        # a key the entry leaves at its declared default may be set
+        new_meta = {k for k in new_meta if not _defaulted(schema, k, impl)}
     if new_meta and impl == base.impl:
         raise ValueError(f"config: meta keys {sorted(new_meta)} are not in the current entry "
-                         f"({sorted(base.meta)})")
+                         f"({sorted(base.meta)}) and have no default in its schema")
     d = base.as_dict()
     if impl != base.impl and schema is not None:
         d["meta"] = {k: v for k, v in d["meta"].items()
