@@ -585,8 +585,8 @@ def _launch(q: torch.Tensor, cache: dict[str, torch.Tensor], batch: PagedBatch,
     if gluon:
         sparse_gqa_gluon.launch(q, kc, vc, ks, vs, ids, batch, out, po, lse,
                                 num_splits=num_splits, split_blocks=split_blocks, hkv=hkv, g=g,
-                                fp8=fp8, qk_scale=preset.softmax_scale * LOG2E, meta=kw,
-                                num_warps=kw["num_warps"])
+                                fp8=fp8, qk_scale=preset.softmax_scale * LOG2E, batch_p2=bp2,
+                                meta=kw, num_warps=kw["num_warps"])
     else:
         _sparse_gqa_kernel[(units * num_splits,)](
             q, kc, vc, ks, vs, ids, batch.block_table, batch.context_lens, batch.query_start,

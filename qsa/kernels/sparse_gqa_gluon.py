@@ -28,7 +28,6 @@ profiles/nvidia-h200/bench/attention/gluon/NOTES.md.
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -305,14 +304,15 @@ def _sparse_gqa_gluon_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out
 
 
 def launch(q, kc, vc, ks, vs, ids, batch, out, po, lse, *, num_splits: int,
-           split_blocks: int, hkv: int, g: int, fp8: bool, qk_scale: float,
+           split_blocks: int, hkv: int, g: int, fp8: bool, qk_scale: float, batch_p2: int,
            meta: dict[str, int], num_warps: int) -> None:
     """One launch over every (row, KV head, split): `meta` holds the entry's BLOCK_N, STAGES,
     LOAD_WARPS, LOAD_REGS (the load warps' register budget), MAXNREG (registers per thread
     of the whole program, 0: the compiler's; 128 lets two programs share an SM), KW,
     SLOTS_AHEAD and RESOLVE_IDS. `ids`: the rows' token ids where the entry resolves them
-    (`resolves_ids`), else their cache slots. Splits leave their partials to the caller's
-    merge kernel."""
+    (`resolves_ids`), else their cache slots. `batch_p2`: the caller's power of two over the
+    batch (the row-to-request count). Splits leave their partials to the caller's merge
+    kernel."""
     rows, _, d = q.shape
     meta = {**_DEFAULTS, **meta}
     block_n = meta["BLOCK_N"]
@@ -336,7 +336,7 @@ def launch(q, kc, vc, ks, vs, ids, batch, out, po, lse, *, num_splits: int,
         HKV=hkv, G=g, D=d, BLOCK_N=block_n, PAGE=batch.block_size, SPLIT_BLOCKS=split_blocks,
         FP8=fp8, SPLIT=num_splits > 1, STAGES=meta["STAGES"], LOAD_WARPS=meta["LOAD_WARPS"],
         LOAD_REGS=meta["LOAD_REGS"], KW=meta["KW"], SLOTS_AHEAD=meta["SLOTS_AHEAD"],
-        RESOLVE_IDS=meta["RESOLVE_IDS"], BATCH_P2=max(64, triton.next_power_of_2(batch.batch)),
+        RESOLVE_IDS=meta["RESOLVE_IDS"], BATCH_P2=batch_p2,
         num_warps=num_warps, **({"maxnreg": meta["MAXNREG"]} if meta["MAXNREG"] else {}))
 
 
