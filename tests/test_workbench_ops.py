@@ -121,3 +121,29 @@ def test_topk_points_name_the_table_key_of_their_row_count():
     assert (few.fmt, many.fmt) == (FORMAT, FORMAT_MANY_ROWS)
     assert few.table_formats == many.table_formats == (FORMAT, FORMAT_MANY_ROWS)
     assert Point("score_stacked", TINY, 1, 64, 1, index_format="fp8").table_formats == ("fp8",)
+
+
+def test_points_held_together_share_one_rotation_budget():
+    """A step holds every call's input sets at once: each point takes at most an even share of
+    what the points before it left, and one that needs few copies leaves its share to the next.
+    Without a budget a point rotates up to the per-point cap."""
+    import dataclasses
+
+    from qsa.measure.device import cpu_device
+    from qsa.measure.work import Work
+
+    gpu = dataclasses.replace(cpu_device(), vendor="nvidia", llc_bytes=50 << 20)
+    big = {"k": torch.empty(1 << 20, dtype=torch.uint8)}  # 1 MiB a set
+    cold = Work(bytes_moved=2 << 20, flops=0)  # wants 3 x 50 / 2 + 1 sets
+    assert len(verify.rotation_sets(big, cold, gpu)) == 76
+    with verify.held_together(3, free_bytes=16 << 20, fraction=0.5) as budget:  # 8 MiB
+        small = verify.rotation_sets(big, Work(bytes_moved=200 << 20, flops=0), gpu)
+        assert len(small) == 1 and budget.bytes_left == 7 << 20  # one set: no copy needed
+        assert len(verify.rotation_sets(big, cold, gpu)) == 3  # 7 MiB over two points
+        assert len(verify.rotation_sets(big, cold, gpu)) == 4  # what is left, all of it
+        assert budget.bytes_left == 0 and budget.points_left == 0
+        assert len(verify.rotation_sets(big, cold, gpu)) == 1  # nothing left: the base alone
+    assert verify._BUDGET.get() is None
+    with pytest.raises(ValueError, match="fraction"):
+        with verify.held_together(2, free_bytes=1 << 20, fraction=1.5):
+            pass

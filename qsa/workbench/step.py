@@ -22,11 +22,12 @@ from qsa.measure.timing import METHOD_GRAPH, time_fn
 from qsa.presets import ModelPreset, as_preset
 from qsa.workbench.ops import Point, Prepared, measure_prepared, prepare
 from qsa.workbench.registry import find, layer_pass
+from qsa.workbench.verify import held_together
 
 SUM_ROW = "sum of kernels"  # the summary row of a step frame (suite targets name it too)
 # What each kernel row of a step carries about its inputs, the path the call took and the
 # implementation that ran it.
-STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path", "impl")
+STEP_INPUT_KEYS = ("overlap_measured", "union_ratio", "path", "impl", "cache_policy")
 
 
 def step_total(steps: pd.DataFrame) -> float:
@@ -97,20 +98,22 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
     calls = step_calls(p, p.mtp_draft_tokens, index_format, kv_format, phase=phase, rows=rows)
     preps: list[tuple[StepCall, Prepared]] = []
     rows = []
+    budget = held_together(len(calls))  # the graph replay below holds every call's inputs
     if progress:
         from tqdm.auto import tqdm
 
         calls = tqdm(calls, desc="step kernels", unit="kernel")
-    for c in calls:
-        prep = prepare(c.point(p, batch, context, overlap, trace), device)
-        rec = measure_prepared(prep, samples=samples)
-        preps.append((c, prep))
-        rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,
-                     "calls_per_step": c.calls_per_step, "us_per_call": rec["us"],
-                     "us_per_step": rec["us"] * c.calls_per_step,
-                     "method": rec["method"], "calls_per_sample": rec["calls_per_sample"],
-                     "sizing": rec["sizing"], "functional_only": rec["functional_only"],
-                     **{k: rec.get(k) for k in STEP_INPUT_KEYS}})
+    with budget:
+        for c in calls:
+            prep = prepare(c.point(p, batch, context, overlap, trace), device)
+            rec = measure_prepared(prep, samples=samples)
+            preps.append((c, prep))
+            rows.append({"phase": c.phase, "kernel": c.op, "rows": c.rows,
+                         "calls_per_step": c.calls_per_step, "us_per_call": rec["us"],
+                         "us_per_step": rec["us"] * c.calls_per_step,
+                         "method": rec["method"], "calls_per_sample": rec["calls_per_sample"],
+                         "sizing": rec["sizing"], "functional_only": rec["functional_only"],
+                         **{k: rec.get(k) for k in STEP_INPUT_KEYS}})
     df = pd.DataFrame(rows)
     total = df["us_per_step"].sum()
     df["share"] = df["us_per_step"] / total

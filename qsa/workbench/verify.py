@@ -4,7 +4,10 @@ every timed call sees a cold last-level cache: the parts every op's input builde
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,12 +18,57 @@ from qsa.measure.work import Work
 if TYPE_CHECKING:
     from qsa.measure.device import DeviceInfo
 
-MAX_ROTATION_BYTES = 24 << 30  # memory allowed for rotated input copies
+MAX_ROTATION_BYTES = 24 << 30  # memory allowed for one point's rotated input copies
+# Share of the free device memory that the rotated copies of points held together (a whole step,
+# replayed as one graph) may take between them; the rest holds references, outputs and graphs.
+HELD_TOGETHER_FRACTION = 0.5
 SAME_VALUES_CHUNK = 1 << 26  # elements compared at a time: 256 MiB of fp32 per side
 
 # False while a point is prepared only to be verified: one input set, no rotated copies (a
 # memory-checker run of a tiny shape would otherwise clone its inputs thousands of times).
 ROTATE: ContextVar[bool] = ContextVar("qsa_rotate_inputs", default=True)
+
+
+@dataclass
+class RotationBudget:
+    """Memory that the input sets of several points held at once share. Each point, built in
+    turn, takes at most an even share of what is left, so one that needs few copies leaves its
+    share to those built after it."""
+
+    bytes_left: int
+    points_left: int
+
+    def share(self) -> int:
+        return self.bytes_left // max(self.points_left, 1)
+
+    def take(self, nbytes: int) -> None:
+        self.bytes_left -= nbytes
+        self.points_left -= 1
+
+
+_BUDGET: ContextVar[RotationBudget | None] = ContextVar("qsa_rotation_budget", default=None)
+
+
+@contextlib.contextmanager
+def held_together(points: int, free_bytes: int | None = None,
+                  fraction: float = HELD_TOGETHER_FRACTION) -> Iterator[RotationBudget | None]:
+    """Points prepared inside share `fraction` of `free_bytes` (by default the GPU memory free
+    now) for their input sets: a step at batch 32 x 32K built every op's copies up to the
+    per-point cap and did not fit an 80 GB card. Without a GPU nothing is rotated and there
+    is no budget."""
+    if points < 1 or not 0 < fraction <= 1 or (free_bytes is not None and free_bytes < 0):
+        raise ValueError(f"held_together: points must be >= 1, fraction in (0, 1] and "
+                         f"free_bytes >= 0, got {points}, {fraction} and {free_bytes}")
+    if free_bytes is None and torch.cuda.is_available():
+        # Blocks the caching allocator holds but no tensor uses are free to these copies too.
+        free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - \
+            torch.cuda.memory_allocated()
+    budget = None if free_bytes is None else RotationBudget(int(free_bytes * fraction), points)
+    token = _BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGET.reset(token)
 
 
 class VerificationError(AssertionError):
@@ -43,11 +91,16 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 def rotation_sets(base: dict[str, torch.Tensor], work: Work, dev: DeviceInfo
                   ) -> list[dict[str, torch.Tensor]]:
     """Copies of the tensors an op reads, enough that cycling through them exceeds three times
-    the last-level cache (one set on the CPU, where times mean nothing, and when verifying)."""
-    n = 1
+    the last-level cache (one set on the CPU, where times mean nothing, and when verifying),
+    within the per-point cap and the share of a `held_together` budget. The timing's cache
+    policy (`rotate_<MiB>MiB_x<sets>`) records how many there were."""
+    n, budget, size = 1, _BUDGET.get(), max(nbytes(base), 1)
     if dev.is_gpu and ROTATE.get():
-        n = sets_for_cold_cache(max(work.bytes_moved, 1), dev.llc_bytes)
-        n = max(1, min(n, MAX_ROTATION_BYTES // max(nbytes(base), 1)))
+        cap = MAX_ROTATION_BYTES if budget is None else min(MAX_ROTATION_BYTES, budget.share())
+        n = max(1, min(sets_for_cold_cache(max(work.bytes_moved, 1), dev.llc_bytes),
+                       cap // size))
+    if budget is not None:
+        budget.take(n * size)
     return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(n - 1)]
 
 
