@@ -5,6 +5,7 @@ every timed call sees a cold last-level cache: the parts every op's input builde
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ def held_together(points: int, free_bytes: int | None = None,
         raise ValueError(f"held_together: points must be >= 1, fraction in (0, 1] and "
                          f"free_bytes >= 0, got {points}, {fraction} and {free_bytes}")
     if free_bytes is None and torch.cuda.is_available():
+        gc.collect()  # inputs of points measured before, unreachable but not yet collected
         # Blocks the caching allocator holds but no tensor uses are free to these copies too.
         free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - \
             torch.cuda.memory_allocated()
