@@ -98,12 +98,12 @@ def step_breakdown(preset: str | ModelPreset, batch: int, context: int, mtp: int
     calls = step_calls(p, p.mtp_draft_tokens, index_format, kv_format, phase=phase, rows=rows)
     preps: list[tuple[StepCall, Prepared]] = []
     rows = []
-    budget = held_together(len(calls))  # the graph replay below holds every call's inputs
+    n_calls = len(calls)
     if progress:
         from tqdm.auto import tqdm
 
         calls = tqdm(calls, desc="step kernels", unit="kernel")
-    with budget:
+    with held_together(n_calls):  # the graph replay below holds every call's inputs at once
         for c in calls:
             prep = prepare(c.point(p, batch, context, overlap, trace), device)
             rec = measure_prepared(prep, samples=samples)
