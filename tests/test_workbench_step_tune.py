@@ -38,6 +38,27 @@ def test_step_breakdown_sums(monkeypatch):
     assert kernels["share"].sum() == pytest.approx(1.0)
     assert (kernels["us_per_step"] == kernels["us_per_call"] * kernels["calls_per_step"]).all()
     assert len(kernels) == 10  # 5 kernels x (target, draft)
+    assert "cache_policy" in kernels  # how many input copies each call rotated
+
+
+def test_a_steps_calls_draw_their_input_sets_from_one_budget(monkeypatch):
+    """The whole-step graph holds every call's inputs at once, so every call of the step is
+    prepared inside one shared budget (forced here: without a GPU there is none)."""
+    from qsa.workbench import verify
+
+    seen = []
+
+    def forced(points):
+        seen.append(points)
+        return verify.held_together(points, free_bytes=1 << 30)
+
+    monkeypatch.setattr(step_mod, "held_together", forced)
+    drawn = []
+    real_take = verify.RotationBudget.take
+    monkeypatch.setattr(verify.RotationBudget, "take",
+                        lambda self, n: (drawn.append(n), real_take(self, n))[1])
+    step_mod.step_breakdown(TINY, batch=1, context=24, mtp=1, samples=1, graph=False)
+    assert seen == [10] and len(drawn) == 10 and all(n > 0 for n in drawn)
 
 
 def test_prefill_calls_are_one_chunk_through_every_layer():
