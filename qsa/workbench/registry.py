@@ -230,9 +230,18 @@ class Prepared:
     call: Callable[[int, BlockConfig | None], Any]
     check: Callable[[BlockConfig | None], None]
     work: Work
-    n_sets: int
-    bytes_per_set: int
+    sets: list[dict[str, Any]]  # the rotated input sets `call` cycles through (tensors by name)
     inputs: dict[str, Any]  # what the inputs measure (overlap) and what the call chose
+
+    @property
+    def n_sets(self) -> int:
+        return len(self.sets)
+
+    @property
+    def bytes_per_set(self) -> int:
+        from qsa.workbench.verify import nbytes
+
+        return nbytes(self.sets[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,7 +276,7 @@ def _score_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo, *,
     import torch
 
     from qsa.cases import poison_
-    from qsa.workbench.verify import assert_close, kernel_view, nbytes, rotation_sets
+    from qsa.workbench.verify import assert_close, kernel_view, rotation_sets
 
     extra = {"max_rows_per_request": point.rows} if row_bound else {}
     case = _case(spec, point, device, dev, build_kv=False)
@@ -291,8 +300,7 @@ def _score_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo, *,
         tol = spec.tolerance
         assert_close(spec.name, call(0, cfg), want, atol=tol.atol, rtol=tol.rtol)
 
-    return Prepared(point, call, check, work, len(sets), nbytes(sets[0]),
-                    _case_overlap(spec, case))
+    return Prepared(point, call, check, work, sets, _case_overlap(spec, case))
 
 
 SCORER_SMOKE = ({"batch": 2, "context": 96, "index_format": ["bf16", "fp8", "mxfp4"]},)
@@ -330,7 +338,7 @@ def _topk_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -> Pr
     import torch
 
     from qsa.reference import score_reference
-    from qsa.workbench.verify import VerificationError, nbytes, rotation_sets
+    from qsa.workbench.verify import VerificationError, rotation_sets
 
     case = _case(spec, point, device, dev, build_kv=False)
     p = point.preset
@@ -351,8 +359,7 @@ def _topk_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -> Pr
             raise VerificationError(f"{spec.name}: row {int(diff.nonzero()[0])} selects other "
                                     "tokens than the reference")
 
-    return Prepared(point, call, check, work, len(sets), nbytes(sets[0]),
-                    _case_overlap(spec, case))
+    return Prepared(point, call, check, work, sets, _case_overlap(spec, case))
 
 
 TOPK_EXPAND = OpSpec(
@@ -375,7 +382,7 @@ def _compress_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -
     from qsa.reference.compress import completed_groups
     from qsa.reference.pipeline import pass_start_positions
     from qsa.workbench.verify import (VerificationError, assert_close, assert_codes_match,
-                                      interpreting, kernel_view, nbytes, rotation_sets,
+                                      interpreting, kernel_view, rotation_sets,
                                       same_values)
 
     case = _case(spec, point, device, dev, build_kv=False)
@@ -413,8 +420,7 @@ def _compress_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -
                 else spec.tolerance.mismatch)
         assert_codes_match(spec.name, got[blk, off], ref[blk, off], frac)
 
-    return Prepared(point, call, check, work, len(sets), nbytes(sets[0]),
-                    _case_overlap(spec, case))
+    return Prepared(point, call, check, work, sets, _case_overlap(spec, case))
 
 
 COMPRESS = OpSpec(
@@ -433,7 +439,7 @@ def _kv_store_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -
     from qsa.cases import poison_
     from qsa.reference.pipeline import row_slots
     from qsa.workbench.verify import (VerificationError, assert_codes_match, interpreting,
-                                      kernel_view, nbytes, rotation_sets, same_values)
+                                      kernel_view, rotation_sets, same_values)
 
     case = _case(spec, point, device, dev, build_kv=True)
     p, fmt = point.preset, point.kv_format
@@ -460,8 +466,7 @@ def _kv_store_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo) -
             elif not same_values(got, ref):  # on a GPU: bit-exact by value
                 raise VerificationError(f"{spec.name}: {k} differs from the reference")
 
-    return Prepared(point, call, check, work, len(sets), nbytes(sets[0]),
-                    _case_overlap(spec, case))
+    return Prepared(point, call, check, work, sets, _case_overlap(spec, case))
 
 
 KV_STORE = OpSpec(
@@ -489,7 +494,7 @@ def _attention_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo, 
     from qsa.kernels.sparse_gqa import plan_sharing
     from qsa.reference import score_reference, topk_expand_reference
     from qsa.trace import read_trace
-    from qsa.workbench.verify import assert_close, kernel_view, nbytes, rotation_sets
+    from qsa.workbench.verify import assert_close, kernel_view, rotation_sets
 
     p, fmt = point.preset, point.kv_format
     if point.selection in ("random", "trace"):
@@ -542,7 +547,7 @@ def _attention_inputs(spec: OpSpec, point: Point, device: str, dev: DeviceInfo, 
         tol = spec.tolerance
         assert_close(spec.name, call(0, cfg), want, atol=tol.atol, rtol=tol.rtol)
 
-    return Prepared(point, call, check, work, len(sets), nbytes(sets[0]), inputs)
+    return Prepared(point, call, check, work, sets, inputs)
 
 
 _ATTENTION = Ref("qsa.reference.attention", "sparse_gqa_reference")
